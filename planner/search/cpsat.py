@@ -1,23 +1,15 @@
-"""The planner's CP-SAT models (the only ortools user) and its one solver call (`_solve`).
+"""The planner's CP-SAT models (the only ortools user) and its one solver call (`_solve`): `_build` places a window's
+tasks (planner.plan.window) modulo its length L, NoOverlap per device beside the fixed work, a cumulative per device for
+activations and kept a/e; `solve_window` finds any placement or the least staleness.
 
-`_build` is the window model (planner.plan.window): each task an interval at `pos` in [0, L), `late` if it runs in the
-next window's early bubbles; NoOverlap per device beside the fixed F/B, optional intervals for a decomposition's rank,
-a cumulative per device for activations and deferred curvature's kept a/e. `solve_window`: any placement, or the
-least staleness.
-
-[Note: joint strategy] The model is given every layer's options and chooses its KAISA distribution while it places the
-work; a forced strategy is the model with one option per layer (its literal the constant 1: its BCASTs, slots and memory
-the window's own). Per option one Boolean (a DECOMP on a rank of the chosen column, each option's BCAST an optional
-interval, each stage's slot and each device's static bytes linear in them). An option set moves the fixed work only on
+[Note: joint strategy] The model gets every layer's options (KAISA distributions) and chooses them while it places:
+one Boolean per option (a forced strategy: one option, the constant 1). Options move the fixed work only on
 `timeline_stages` (Chimera's first stage per device, interleaved's first chunk), which keep one option set per solve;
-elsewhere it moves only the step's end, L(P) (`reference_step`, exactly the simulated step). `least_step` finds the
-least L within static memory; each group is placed at it plus the allowed stretch, and the placement moves into
-`Problem.with_distributions(...)`'s own window (`transfer`), so downstream sees a plan like any other.
+elsewhere only the step's end (`reference_step`). `least_step` finds the least step within static memory; each group
+is placed at it plus the stretch, then `transfer`red into `Problem.with_distributions(...)`'s own window.
 
-[Note: no twin intervals] A model never holds two interval constraints alike: work seen by several devices is one
-interval in each device's constraint (`constant_interval`, one per BCAST option). OR-Tools 9.15's presolve merges
-twins and, where that proves the model infeasible, raises `IndexError: raw_hash_map<>::at` instead of answering
-INFEASIBLE (tests/planner/test_cpsat_twins.py).
+[Note: no twin intervals] A model never holds two equal interval constraints (`constant_interval`): OR-Tools 9.15's
+presolve merges twins and may raise `IndexError: raw_hash_map<>::at` instead of INFEASIBLE (test_cpsat_twins.py).
 """
 
 from __future__ import annotations
@@ -74,7 +66,7 @@ Ticks = Callable[[float], int]
 @dataclass(frozen=True)
 class Option:
     """One distribution of a layer: its DECOMP's ranks, each part's BCAST among them (none with one worker), the
-    per-step work on each worker and the BCAST_PREC on every copy (seconds)."""
+    per-step work on each worker (gradient STATS and APPLY) and the BCAST_PREC on every copy (seconds)."""
 
     where: LayerDistribution
     workers: tuple[int, ...]
@@ -85,6 +77,28 @@ class Option:
     @property
     def comm_opt(self) -> bool:
         return self.where == LayerDistribution()
+
+    @staticmethod
+    def of(problem: Problem, layer: str, where: LayerDistribution) -> Option:
+        """`layer` distributed as `where`."""
+        stage, cost = problem.costs.stage_of(layer), problem.costs.layer(layer)
+        copies = problem.holders[stage]
+        workers = grad_workers(copies, where)
+        group = None if workers == copies else workers
+        bcast = {  # as the window has a BCAST task, however short; none with one worker
+            p.part: problem.costs.collective_seconds(
+                Op(OpKind.BCAST, stage, layer=layer, part=p.part, root=workers[0], group=group), len(workers)
+            )
+            for p in cost.parts
+            if len(workers) > 1
+        }
+        apply = sum(p.stats for p in cost.parts if p.after is OpKind.ALLREDUCE_GRAD) + cost.prec
+        share = 0.0
+        if rows := receivers(copies, where):
+            root, row = rows[0]
+            op = Op(OpKind.BCAST_PREC, stage, root=root, layer=layer, group=None if row == copies else row)
+            share = problem.costs.collective_seconds(op, len(row))
+        return Option(where, workers, bcast, apply, share)
 
 
 Options = Mapping[str, tuple[Option, ...]]
@@ -99,25 +113,14 @@ Solved = tuple[str, GroupSolution | None]
 
 def options_of(problem: Problem, stages: Iterable[int], free: Collection[int]) -> dict[str, tuple[Option, ...]]:
     """The options of every layer of `stages`: every KAISA distribution on the `free` stages, else the problem's own."""
-    out = {}
-    for s in stages:
-        copies = problem.holders[s]
-        for layer in (x.name for x in problem.costs.stages[s].layers):
-            opts = []
-            for where in layer_options(problem, layer) if s in free else (problem.where(layer),):
-                workers = grad_workers(copies, where)
-                group = None if workers == copies else workers
-                bcast = {  # as the window has a BCAST task, however short; none with one worker
-                    p.part: problem.costs.collective_seconds(
-                        Op(OpKind.BCAST, s, layer=layer, part=p.part, root=workers[0], group=group), len(workers)
-                    )
-                    for p in problem.costs.layer(layer).parts
-                    if len(workers) > 1
-                }
-                share = share_seconds(problem, layer, where)
-                opts.append(Option(where, workers, bcast, worker_seconds(problem, layer), share))
-            out[layer] = tuple(opts)
-    return out
+    return {
+        x.name: tuple(
+            Option.of(problem, x.name, where)
+            for where in (layer_options(problem, x.name) if s in free else (problem.where(x.name),))
+        )
+        for s in stages
+        for x in problem.costs.stages[s].layers
+    }
 
 
 def ns(seconds: float) -> int:
@@ -132,9 +135,7 @@ def layer_options(problem: Problem, layer: str) -> tuple[LayerDistribution, ...]
     out = [LayerDistribution()]
     if problem.streaming is not None and layer in problem.streaming.layers:
         return tuple(out)
-    for g in range(H - 1, 0, -1):
-        if H % g:
-            continue
+    for g in (g for g in range(H - 1, 0, -1) if H % g == 0):  # grad workers per column
         strategy = Strategy(StrategyKind.MEM_OPT) if g == 1 else Strategy(StrategyKind.HYBRID, Fraction(g, H))
         out += [LayerDistribution(strategy, column) for column in range(H // g)]
     return tuple(out)
@@ -152,28 +153,10 @@ def timeline_stages(problem: Problem) -> frozenset[int]:
     return frozenset(out)
 
 
-def worker_seconds(problem: Problem, layer: str) -> float:
-    """Seconds of `layer`'s per-step work on each grad worker (its gradient STATS and APPLY) off COMM-OPT."""
-    cost = problem.costs.layer(layer)
-    return sum(p.stats for p in cost.parts if p.after is OpKind.ALLREDUCE_GRAD) + cost.prec
-
-
 def comm_slot_seconds(problem: Problem, stage: int) -> float:
     """Seconds of the stage's slot when every layer is COMM-OPT: all gradient STATS, one APPLY."""
     cost = problem.costs.stages[stage]
     return sum(secs for _, secs in gradient_stats(cost, stage)) + cost.prec
-
-
-def share_seconds(problem: Problem, layer: str, where: LayerDistribution) -> float:
-    """Seconds of `layer`'s BCAST_PREC on every copy under `where` (0 under COMM-OPT)."""
-    stage = problem.costs.stage_of(layer)
-    copies = problem.holders[stage]
-    rows = receivers(copies, where)
-    if not rows:
-        return 0.0
-    root, row = rows[0]
-    op = Op(OpKind.BCAST_PREC, stage, root=root, layer=layer, group=None if row == copies else row)
-    return problem.costs.collective_seconds(op, len(row))
 
 
 def step_fixed_end(problem: Problem, free: frozenset[int]) -> float:
@@ -195,17 +178,14 @@ def reference_step(problem: Problem, free: frozenset[int], distributions: Mappin
     step = step_timeline(problem)
     end = step_fixed_end(problem, free)
     for s in sorted(free):
-        where = {x.name: distributions.get(x.name, LayerDistribution()) for x in problem.costs.stages[s].layers}
-        copies = problem.holders[s]
-        if all(w == LayerDistribution() for w in where.values()):
+        layers = problem.costs.stages[s].layers
+        chosen = [Option.of(problem, x.name, distributions.get(x.name, LayerDistribution())) for x in layers]
+        if all(o.comm_opt for o in chosen):
             slot = comm_slot_seconds(problem, s)
         else:
-            work = [
-                sum(worker_seconds(problem, n) for n, w in where.items() if c in grad_workers(copies, w))
-                for c in copies
-            ]
-            slot = max(work) + sum(share_seconds(problem, n, w) for n, w in where.items())
-        end = max(end, step.allreduce_end[copies[0], s] + slot)
+            work = [sum(o.apply for o in chosen if c in o.workers) for c in problem.holders[s]]
+            slot = max(work) + sum(o.share for o in chosen)
+        end = max(end, step.allreduce_end[problem.holders[s][0], s] + slot)
     return end
 
 
@@ -255,14 +235,13 @@ _FEW_WORKER_SUBSOLVERS = ("quick_restart_no_lp", "default_lp")
 """With few workers quick_restart_no_lp first: it places Chimera windows where default_lp alone finds none in time."""
 
 FEASIBILITY_PROBING_LEVEL = 0
-"""CP-SAT's presolve probing (default 2) for a feasibility probe, whose budget probing spent before any search;
-optimizing and joint solves keep the default."""
+"""CP-SAT's presolve probing (default 2) for a fixed-strategy feasibility probe, whose budget probing spent first."""
 
 
 @dataclass
 class Vars:
-    """The model and its variables by task and slot, the option literals and, where a layer has several options, each
-    (layer, part)'s BCAST (start, pos, has, end), its stage's slot ticks and each device's optional BCASTs."""
+    """The model, its variables by task and slot, the option literals and, where a layer chooses, each (layer, part)'s
+    BCAST (start, pos, has, end), its stage's slot ticks and each device's optional BCASTs."""
 
     model: cp_model.CpModel
     start: list[cp_model.IntVar] = field(default_factory=list)
@@ -331,15 +310,13 @@ def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
 
 
 def add_precedences(v: Vars, w: Window) -> None:
-    """Per factor curvature (or the W's folding it), sync, decomposition, broadcast in order, all done before the
-    next refresh (L later) needs its buffers; a deferred output gradient's curvature after the W making it
-    (`w_makers`); a decomposition's pieces in order on one rank; a refresh the next warm-starts from done first."""
+    """Per factor curvature (or its W), sync, decomposition, broadcast in order, done before the next refresh (L later)
+    needs the buffers; a deferred curvature after its W (`w_makers`); pieces in order on one rank; `warm_starts`."""
     L, m = w.length, v.model
     by_factor: dict[tuple[str, str], dict[TaskKind, list[int]]] = {}
     for i, task in enumerate(w.tasks):
         for f in task.factors:
             by_factor.setdefault(f, {}).setdefault(task.kind, []).append(i)
-    for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.CURV:
             m.add(v.start[i] + task.ticks <= task.release + L)
     for kinds in by_factor.values():
@@ -375,8 +352,7 @@ def stages_choose(w: Window, options: Options, stages: Iterable[int]) -> bool:
 
 
 def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
-    """The window's tasks but the BCAST of a layer with several options (placed per option), each DECOMP on any rank
-    an option allows."""
+    """The window's tasks but a choosing layer's BCASTs (placed per option), each DECOMP on any rank an option has."""
     out = []
     for task in w.tasks:
         if task.kind is TaskKind.BCAST and chooses(options, [task.factors[0][0]]):
@@ -389,11 +365,10 @@ def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
 
 
 def _add_choices(v: Vars, w: Window, options: Options) -> None:
-    """The option literals: a DECOMP only on a rank of its layer's chosen column; per (layer, part) one start for the
-    chosen option's BCAST, an optional interval per option on its column's ranks, after the part's DECOMP and before
-    the next refresh's first."""
+    """The option literals: a DECOMP only on a rank of its chosen column; per (layer, part) one start of the chosen
+    BCAST, an optional interval per option on its ranks, after the part's DECOMP, before the next refresh's first."""
     m, L = v.model, w.length
-    v.lits = literals(m, options) if chooses(options, options) else {}  # a model without a choice has no literal
+    v.lits = literals(m, options) if chooses(options, options) else {}
     for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.INV and chooses(options, [task.factors[0][0]]):
             layer = task.factors[0][0]
@@ -430,10 +405,8 @@ def _add_choices(v: Vars, w: Window, options: Options) -> None:
 
 
 def _add_slots(v: Vars, w: Window, options: Options) -> None:
-    """Every slot on its device: the window's own where its stage's distributions are fixed (an empty one holds no
-    interval: no-overlap takes a zero interval for a point nothing may hold), else as long as its stage's options make
-    it (within its room), the reference slot from the all-reduce end within the window's step; copies start a sharing
-    slot together (`PrecSlot.shares`)."""
+    """Every slot on its device: the window's own where its stage's options are fixed (an empty one no interval), else
+    as long as the options make it within its room and the step; copies start a sharing slot together."""
     m, L, timeline = v.model, w.length, step_timeline(w.problem)
     bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(NS / w.scale / 4))
     starts: dict[int, cp_model.IntVar] = {}
@@ -458,12 +431,8 @@ def _add_slots(v: Vars, w: Window, options: Options) -> None:
         ticks = m.new_int_var(1, room, f"slot_ticks_s{s}")
         m.add_min_equality(ticks, [need, room])
         v.slot_ticks[s] = ticks
-        sharing = [
-            lit
-            for x in w.problem.costs.stages[s].layers
-            for o, lit in zip(options[x.name], v.lits[x.name])
-            if not o.comm_opt
-        ]
+        layers = [x.name for x in w.problem.costs.stages[s].layers]
+        sharing = [lit for n in layers for o, lit in zip(options[n], v.lits[n]) if not o.comm_opt]
         shares = m.new_bool_var(f"shares_s{s}")
         m.add_bool_or(sharing or [m.new_constant(0)]).only_enforce_if(shares)
         for lit in sharing:
@@ -597,8 +566,7 @@ def break_layer_symmetry(v: Vars, w: Window) -> None:
 def _build(
     w: Window, options: Options, optimize: bool, break_symmetry: bool = True, *, free_w: bool = True
 ) -> tuple[Vars, Window]:
-    """The window's model with each layer's `options` (one: the window's own distribution; `optimize`: least
-    staleness) and the window of the tasks it places (`placed_tasks`)."""
+    """The window's model with each layer's `options` (`optimize`: least staleness) and the window it places."""
     v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
     placed = replace(w, tasks=placed_tasks(w, options))
     for d in placed.group.devices:  # the fixed work: F/B, gradient all-reduces, step boundaries
@@ -656,9 +624,8 @@ def solve_window(
     optimize: bool = True,
     options: Options,
 ) -> Solved:
-    """(status, solution) of one window with each layer's `options` (one each: the forced strategy; `optimize`:
-    least staleness, else any placement) within `time_limit` of `meter`'s clock; a feasibility search frees the W's
-    only where placed ones fail."""
+    """(status, solution) of one window with each layer's `options` (`optimize`: least staleness, else any placement)
+    within `time_limit` of `meter`'s clock; a feasibility search frees the W's only where placed ones fail."""
     joint = chooses(options, options)
     fixed = [p for p in w.precs if not stages_choose(w, options, [p.stage])]
     longer = any(t.ticks > w.length for t in placed_tasks(w, options))
@@ -669,42 +636,34 @@ def solve_window(
         meter.note_capped(f"{where} not searched")
         return "UNKNOWN", None
     limit = max(meter.units(MIN_CALL), time_limit)
-    probing = None if optimize or joint else FEASIBILITY_PROBING_LEVEL
-
-    def attempt(free_w: bool) -> Solved:
-        """One CP-SAT call, the W tasks free or at the schedule's positions."""
+    label = f"stages {list(w.group.stages)} k={w.k}" + (f" stretch={w.stretch}" if w.stretch else "")
+    placed_w = not optimize and any(t.kind is TaskKind.WGRAD for t in w.tasks)
+    for free_w in (False, True) if placed_w else (True,):  # W's at the schedule's positions first
         v, placed = _build(w, options, optimize, free_w=free_w)
         if hint is not None and hint.window.offsets == w.offsets:
             _hint(v, placed, hint, options)
-        reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
-        solver, status = _solve(v.model, config, meter, limit, probing=probing, reporter=reporter)
-        name = solver.status_name(status)
-        if reporter is not None:
-            reporter.finish(solver, name)
-        unproven = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+        reporter = _Reporter(config.progress, label, optimize) if config.progress is not None else None
+        probing = None if optimize or joint else FEASIBILITY_PROBING_LEVEL
+        solver, code = _solve(v.model, config, meter, limit, probing=probing, reporter=reporter)
+        status = solver.status_name(code)
+        unproven = status not in ("OPTIMAL", "INFEASIBLE")
         if meter.deterministic and unproven and solver.deterministic_time < limit * CAP_SLACK:
             meter.note_capped(where)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return name, None
-        return name, _extract(solver, v, placed, options, name)
-
-    status, found = attempt(free_w=optimize)
-    if status == "INFEASIBLE" and not optimize and any(t.kind is TaskKind.WGRAD for t in w.tasks):
-        status, found = attempt(free_w=True)
-    return status, found
+        if status != "INFEASIBLE":
+            break
+    found = status in ("OPTIMAL", "FEASIBLE")
+    return status, _extract(solver, v, placed, options, status) if found else None
 
 
 def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options, status: str) -> GroupSolution:
     """The solver's values as a solution of `w`, with the options chosen (a BCAST on its DECOMP's rank)."""
     starts = tuple(solver.value(x) for x in v.start)
-    devices = []
-    for i, task in enumerate(w.tasks):
-        chosen = [d for d, flag in v.present[i].items() if solver.boolean_value(flag)]
-        devices.append(chosen[0] if chosen else task.devices[0])
+    devices = [
+        next((d for d, f in v.present[i].items() if solver.boolean_value(f)), t.devices[0])
+        for i, t in enumerate(w.tasks)
+    ]
     inv_device = {task.factors[0]: devices[i] for i, task in enumerate(w.tasks) if task.kind is TaskKind.INV}
-    for i, task in enumerate(w.tasks):
-        if task.kind is TaskKind.BCAST:
-            devices[i] = inv_device[task.factors[0]]
+    devices = [inv_device[t.factors[0]] if t.kind is TaskKind.BCAST else d for t, d in zip(w.tasks, devices)]
     precs = tuple(solver.value(x) for x in v.prec)
     choices = choices_of(solver, options, v.lits)
     chosen_bcasts = [(key, start, end) for key, (start, _, has, end) in v.bcast.items() if solver.boolean_value(has)]
@@ -718,29 +677,22 @@ def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options, st
 class _Reporter(cp_model.CpSolverSolutionCallback):
     """Passes each placement, better bound and final status of one CP-SAT call to `SolverConfig.progress`."""
 
-    def __init__(self, report: Callable[[SolveProgress], None], w: Window, optimize: bool) -> None:
+    def __init__(self, report: Callable[[SolveProgress], None], window: str, optimize: bool) -> None:
         super().__init__()
-        self.report, self.optimize = report, optimize
-        self.window = f"stages {list(w.group.stages)} k={w.k}" + (f" stretch={w.stretch}" if w.stretch else "")
+        self.report, self.window, self.optimize = report, window, optimize
         self.objective: float | None = None
         self.began = time.perf_counter()
 
     def on_solution_callback(self) -> None:
         if self.optimize:
             self.objective = self.objective_value
-        self._send("FEASIBLE", self.objective, self.best_objective_bound if self.optimize else None, False)
+        self.send("FEASIBLE", self.best_objective_bound if self.optimize else None)
 
     def on_bound(self, bound: float) -> None:
-        self._send("FEASIBLE" if self.objective is not None else "UNKNOWN", self.objective, bound, False)
+        self.send("FEASIBLE" if self.objective is not None else "UNKNOWN", bound)
 
-    def finish(self, solver: cp_model.CpSolver, status: str) -> None:
-        found = self.optimize and status in ("OPTIMAL", "FEASIBLE")
-        self._send(
-            status, solver.objective_value if found else None, solver.best_objective_bound if found else None, True
-        )
-
-    def _send(self, status: str, objective: float | None, bound: float | None, done: bool) -> None:
-        self.report(SolveProgress(self.window, status, objective, bound, time.perf_counter() - self.began, done))
+    def send(self, status: str, bound: float | None, done: bool = False) -> None:
+        self.report(SolveProgress(self.window, status, self.objective, bound, time.perf_counter() - self.began, done))
 
 
 CAP_SLACK = 0.99
@@ -775,6 +727,10 @@ def _solve(
         solver.best_bound_callback = reporter.on_bound
     status = solver.solve(model, reporter)
     meter.charge(solver.deterministic_time, solver.wall_time)
+    if reporter is not None:
+        found = reporter.optimize and status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+        reporter.objective = solver.objective_value if found else None
+        reporter.send(solver.status_name(status), solver.best_objective_bound if found else None, done=True)
     return solver, status
 
 
@@ -822,11 +778,11 @@ def literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.I
     """One Boolean per option of every layer, exactly one true per layer (a layer's one option: the constant 1)."""
     lits = {}
     for name, opts in options.items():
-        if len(opts) == 1:
-            lits[name] = [m.new_constant(1)]
-            continue
-        lits[name] = [m.new_bool_var(f"opt_{name}_{i}") for i in range(len(opts))]
-        m.add_exactly_one(lits[name])
+        lits[name] = (
+            [m.new_bool_var(f"opt_{name}_{i}") for i in range(len(opts))] if len(opts) > 1 else [m.new_constant(1)]
+        )
+        if len(opts) > 1:
+            m.add_exactly_one(lits[name])
     return lits
 
 
@@ -863,13 +819,12 @@ def static_bytes(
     base = sum(2 * problem.costs.stages[s].param_bytes for s in stages)
     base += max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
     kept, buffers = [], []
-    for s in stages:
-        for x in problem.costs.stages[s].layers:
-            for option, lit in zip(options[x.name], lits[x.name]):
-                held, shared = held_bytes(problem, device, x.name, option.where)
-                kept.append(held * lit)
-                if shared:
-                    buffers.append((shared, lit))
+    for layer in (x.name for s in stages for x in problem.costs.stages[s].layers):
+        for option, lit in zip(options[layer], lits[layer]):
+            held, shared = held_bytes(problem, device, layer, option.where)
+            kept.append(held * lit)
+            if shared:
+                buffers.append((shared, lit))
     largest = m.new_int_var(0, max((b for b, _ in buffers), default=0), f"shared_r{device}")
     for nbytes, lit in buffers:
         m.add(largest >= nbytes * lit)
@@ -881,13 +836,10 @@ def least_step(
 ) -> dict[str, LayerDistribution] | None:
     """The free stages' distributions of least reference step within memory, then of least DECOMP seconds on any
     rank (KAISA's balance); None when none meets the budget or none was found in time."""
-    fixed_end = step_fixed_end(problem, free)
-    m = cp_model.CpModel()
+    m, timeline, top = cp_model.CpModel(), step_timeline(problem), ns(step_fixed_end(problem, free))
     options = options_of(problem, range(problem.num_stages), free)
     lits = literals(m, options)
-    timeline = step_timeline(problem)
-    ends: list[cp_model.LinearExprT] = [ns(fixed_end)]
-    top = ns(fixed_end)
+    ends: list[cp_model.LinearExprT] = [top]
     for s in sorted(free):
         need, most = slot_need(m, s, problem, lits, options, ns, f"s{s}")
         release = ns(timeline.allreduce_end[problem.holders[s][0], s])
@@ -905,18 +857,16 @@ def least_step(
         return None
     least = solver.value(step)
     m.add(step <= least)
-    for x in lits.values():
-        for lit in x:
-            m.add_hint(lit, solver.boolean_value(lit))
+    for lit in (x for xs in lits.values() for x in xs):
+        m.add_hint(lit, solver.boolean_value(lit))
     load = m.new_int_var(0, sum(ns(x.inv) for x in problem.costs.layers), "load")
+    shares = [
+        (o.workers, ns(problem.costs.layer(n).inv / len(o.workers)) * lit)
+        for n in options
+        for o, lit in zip(options[n], lits[n])
+    ]
     for d in problem.devices:  # decomposition ns on rank d: each layer's shared by its grad workers
-        work = [
-            ns(problem.costs.layer(n).inv / len(o.workers)) * lit
-            for n, opts in options.items()
-            for o, lit in zip(opts, lits[n])
-            if d in o.workers
-        ]
-        m.add(load >= sum(work))
+        m.add(load >= sum(work for workers, work in shares if d in workers))
     m.minimize(load)
     balanced, status = _solve(m, config, meter, time_limit / 2)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):

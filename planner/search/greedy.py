@@ -1,19 +1,14 @@
-"""The PipeFisher paper's greedy first-fit of K-FAC work into bubbles (the baseline and warm start), the stretch
-allowance, and a lower bound on a group's refresh period.
+"""The PipeFisher paper's greedy first-fit into bubbles (baseline and warm start), the stretch allowance, and lower
+bounds on a group's refresh period.
 
-First-fit follows `assign_workloads_to_bubbles` of kazukiosawa/pipe-fisher: per device, tasks in priority order
-(curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap where `duration * 1.05`
-fits, after their dependencies; when something does not fit the window grows by one step, so the number of steps is
-the refresh period. Decompositions go to a stage's copies longest first to the least loaded, APPLY stays after the
-gradient all-reduce, and memory is left to the validator. With a stretch ([Note: stretch] in planner/plan/window.py)
-each k is tried with the whole allowance, then the least stretch first-fit places everything with is bisected
-(feasible, not proven least: first-fit is not monotone in it). `restretch` moves a solution to a longer stretch.
+First-fit follows kazukiosawa/pipe-fisher's `assign_workloads_to_bubbles`: per device, tasks in priority order go into
+the first gap where `duration * 1.05` fits, after their dependencies; a window that does not hold them grows a step.
+Decompositions go to a stage's copies longest first to the least loaded; memory is left to the validator. The least
+stretch is then bisected (not proven least: first-fit is not monotone in it).
 
-The packing bound: `refresh_lower_bound` pours the work into the bubbles like a fluid, but a statistic or
-decomposition piece runs whole inside one bubble, so each bubble holds at most the longest sum of task lengths that
-fits in it (`Packer`), the APPLY slots placed where they leave the most, a collective one task on each of its devices.
-Every simplification only enlarges what a window may hold (releases, memory and the collectives' simultaneity
-ignored, tasks on any device of the group, repeated without limit), so the bound stays valid.
+The packing bound (`packing_lower_bound`) raises the fluid `refresh_lower_bound`: a task runs whole inside one bubble,
+so a bubble holds at most the longest sum of task lengths that fits (`Packer`). Each simplification only enlarges what
+a window may hold (releases, memory and simultaneity ignored), so the bound stays valid.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ from dataclasses import dataclass, replace
 from fxkfac.planner.plan.solution import GroupSolution, use_offsets
 from fxkfac.planner.plan.window import (
     Interval,
-    PrecSlot,
     TaskKind,
     Window,
     build_window,
@@ -54,8 +48,7 @@ Probe = Callable[[int], tuple[str, GroupSolution | None]]
 
 @dataclass(frozen=True)
 class Allowance:
-    """The stretch a problem allows: `ticks(k)` per step at refresh period k on the grid `scale` shared by every
-    stage group (None: off, each window on its group's own grid)."""
+    """The stretch a problem allows: `ticks(k)` per step at period k on the grid `scale` of all groups (None: off)."""
 
     problem: Problem
     fused: frozenset[str]
@@ -81,8 +74,8 @@ class Allowance:
         resolution: int,
         meter: Budget | None = None,
     ) -> Window:
-        """The window of `group` at period k with `stretch` ticks per step (None: the whole allowance) on this grid,
-        charged to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
+        """The window of `group` at period k with `stretch` ticks per step (None: the whole allowance), charged to
+        `meter` by its busy intervals and tasks (a W twice)."""
         w = build_window(
             self.problem,
             group,
@@ -99,22 +92,20 @@ class Allowance:
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
-    """The allowance of `problem` with `fused` layers: on when config.stretch and max_overhead > 0, on one grid for
-    all stages so the groups' stretches are the same seconds."""
+    """`problem`'s allowance: on (one grid for all stages) when config.stretch and max_overhead > 0."""
     if not (config.stretch and problem.max_overhead > 0):
         return Allowance(problem, fused, None)
     return Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
 
 
 def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
-    """The same placement in a window with `stretch` >= the solution's: a start in window step j (a chosen broadcast
-    too) moves j * (added ticks) later, so order, overlaps, memory, use offsets and validity hold; devices are kept."""
+    """The same placement at a longer `stretch`: a start in window step j moves j * (added ticks) later, so order,
+    overlaps, memory and use offsets hold."""
     w = solution.window
     delta = stretch - w.stretch
+    assert delta >= 0, f"restretch only lengthens: {w.stretch} -> {stretch}"
     if delta == 0:
         return solution
-    if delta < 0:
-        raise AssertionError(f"restretch only lengthens: {w.stretch} -> {stretch}")
     new = build_window(
         w.problem, w.group, w.k, w.fused, stats_chunk=w.stats_chunk, stretch=stretch, scale=(w.scale, w.exact)
     )
@@ -133,39 +124,35 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
     )
 
 
-def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
-    """(longest idle region of `device` meeting no step boundary, longest meeting one: it grows with the stretch)."""
-    L = window.length
-    bounds = [window.step_start(j) % L for j in range(window.k)]  # each boundary tick
-    inside = across = 0
-    for region in idle_regions(window.fixed[device], L):
-        if any(s <= b <= e or s <= b + L <= e for s, e in region for b in bounds):
-            across = max(across, _span(region))
-        else:
-            inside = max(inside, _span(region))
-    return inside, across
-
-
 def stretch_lower_bound(window: Window) -> int:
-    """Ticks of stretch per step any placement of `window`'s work needs: each task fits one free stretch of its
-    device(s), and all the work (tasks and APPLY) fits the devices' free time."""
-    x, k, n = window.stretch, window.k, len(window.group.devices)
-    gaps = {d: _boundary_gaps(window, d) for d in window.group.devices}
+    """Ticks of stretch per step any placement needs: each task fits one idle region of its device(s) (one meeting a
+    step boundary grows with the stretch), and all the work fits the devices' free time."""
+    x, k, n, L = window.stretch, window.k, len(window.group.devices), window.length
+    bounds = [window.step_start(j) % L for j in range(k)]
+    gaps = {}
+    for d in window.group.devices:  # (longest region meeting no step boundary, longest meeting one)
+        inside = across = 0
+        for region in idle_regions(window.fixed[d], L):
+            if any(s <= b <= e or s <= b + L <= e for s, e in region for b in bounds):
+                across = max(across, _span(region))
+            else:
+                inside = max(inside, _span(region))
+        gaps[d] = inside, across
     need = 0
     for task in window.tasks:
         per_device = [0 if task.ticks <= gaps[d][0] else task.ticks - (gaps[d][1] - x) for d in task.devices]
         need = max(need, min(per_device) if task.kind is TaskKind.INV else max(per_device))
     work = sum(t.ticks * (len(t.devices) if t.kind.collective else 1) for t in window.tasks)
     work += sum(p.ticks for p in window.precs)
-    free = n * window.length - sum(e - s for d in window.group.devices for s, e in window.fixed[d])
+    free = n * L - sum(e - s for d in window.group.devices for s, e in window.fixed[d])
     return max(need, x + math.ceil((work - free) / (k * n)), 0)
 
 
 def bisect_least(
     lower: int, found: GroupSolution, probe: Probe, size: Callable[[GroupSolution], int] = lambda s: s.window.stretch
 ) -> tuple[GroupSolution, bool]:
-    """The placement of least `size` (ticks of stretch, or of a step) `probe` finds in [lower, found's] by bisection,
-    and whether it is proven least (every smaller size probed INFEASIBLE)."""
+    """The placement of least `size` (stretch or step ticks) `probe` finds in [lower, found's] by bisection, and whether
+    it is proven least (every smaller size INFEASIBLE)."""
     lo, hi, best, proven = lower, size(found), found, True
     while lo < hi:
         mid = (lo + hi) // 2
@@ -184,25 +171,23 @@ def first_fits(place: Callable[[int], GroupSolution | None], meter: Budget | Non
 
 
 UNITS_PER_STEP = 2000
-"""The packing table's units per step (task lengths round down to them, bubbles up: it only over-counts)."""
+"""The packing table's units per step (task lengths round down, bubbles up: it only over-counts)."""
 
 MAX_CHOICES = 4096
-"""The most placements of bubble-sharing APPLY slots one bound tries; beyond, those bubbles count idle less slots."""
+"""The most placements of bubble-sharing APPLY slots one bound tries; beyond, bubbles count idle less slots."""
 
 
 class Packer:
-    """The most ticks of tasks (lengths `sizes`, each any number of times) that fit in a bubble; `work` counts its
-    lookups, table cells and slot placements tried (what `packing_lower_bound` charges)."""
+    """The most ticks of tasks (lengths `sizes`, each any number of times) that fit in a bubble; `work` counts the
+    lookups, table cells and slot placements `packing_lower_bound` charges."""
 
     def __init__(self, sizes: Iterable[int], unit: int) -> None:
         if unit < 1:
             raise ValueError(f"a packing unit is at least one tick, got {unit}")
         self.unit = unit
         by_weight: dict[int, int] = {}
-        for size in sizes:
-            if size > 0:
-                weight = size // unit
-                by_weight[weight] = max(by_weight.get(weight, 0), size)
+        for size in (x for x in sizes if x > 0):
+            by_weight[size // unit] = max(by_weight.get(size // unit, 0), size)
         self.free = 0 in by_weight  # some task is shorter than a unit: every bubble counts as full
         self.items = sorted(by_weight.items())
         self._best = [0]
@@ -228,29 +213,47 @@ def _span(region: Sequence[Interval]) -> int:
     return sum(end - start for start, end in region)
 
 
-def _may_hold(region: Sequence[Interval], slot: PrecSlot, length: int) -> bool:
-    """Whether the bubble `region` is long enough for `slot` and meets the span the slot may run in."""
-    allowed = wrap(slot.release, max(slot.deadline, slot.release + slot.ticks), length)
-    return _span(region) >= slot.ticks and any(a < d and c < b for a, b in region for c, d in allowed)
-
-
 def _device_capacity(window: Window, device: int, packer: Packer) -> int:
-    """The most task ticks the device's bubbles may hold, its APPLY slots where they cost the least."""
-    homes = tuple(  # W's where the schedule runs them: the bound is of the search, which keeps them there
+    """The most task ticks the device's bubbles may hold, its APPLY slots where they cost the least (W's at home)."""
+    homes = tuple(
         wrap(t.home, t.home + t.ticks, window.length)[0]
         for t in window.tasks
         if t.kind is TaskKind.WGRAD and t.home is not None and t.devices[0] == device
     )
     regions = idle_regions(window.fixed[device] + homes, window.length)
     slots = [s for s in window.precs if s.device == device and s.ticks > 0]
-    candidates = [[i for i, r in enumerate(regions) if _may_hold(r, slot, window.length)] for slot in slots]
+    allowed = [wrap(p.release, max(p.deadline, p.release + p.ticks), window.length) for p in slots]
+    candidates = [  # the bubbles long enough for each slot that meet the span it may run in
+        [
+            i
+            for i, r in enumerate(regions)
+            if _span(r) >= p.ticks and any(a < d and c < b for a, b in r for c, d in span)
+        ]
+        for p, span in zip(slots, allowed)
+    ]
     packer.work += len(window.tasks) + len(window.fixed[device]) + len(slots) * len(regions)
     total, seen = 0, set()
-    for component in _components(candidates):
+    for component in _components(candidates):  # slots sharing bubbles: each placement tried, flush with an end
         members = {i for j in component for i in candidates[j]}
         seen |= members
-        chosen = [slots[j] for j in component], [candidates[j] for j in component]
-        total += _best_placement(regions, members, *chosen, packer)
+        spans = {i: _span(regions[i]) for i in members}
+        loose = min(
+            sum(packer.packable(s) for s in spans.values()),
+            sum(spans.values()) - sum(slots[j].ticks for j in component),
+        )
+        choices = [candidates[j] for j in component]
+        if not all(choices) or math.prod(map(len, choices)) > MAX_CHOICES:
+            total += max(0, loose)
+            continue
+        best = 0
+        packer.work += math.prod(map(len, choices)) * len(members)
+        for choice in itertools.product(*choices):
+            load = dict.fromkeys(members, 0)
+            for j, i in zip(component, choice):
+                load[i] += slots[j].ticks
+            if all(load[i] <= spans[i] for i in members):
+                best = max(best, sum(packer.packable(spans[i] - load[i]) for i in members))
+        total += best
     return total + sum(packer.packable(_span(r)) for i, r in enumerate(regions) if i not in seen)
 
 
@@ -264,66 +267,24 @@ def _components(candidates: Sequence[Sequence[int]]) -> list[list[int]]:
     return sorted(sorted(slots) for _, slots in groups)
 
 
-def _best_placement(
-    regions: Sequence[Sequence[Interval]],
-    members: set[int],
-    slots: Sequence[PrecSlot],
-    candidates: Sequence[Sequence[int]],
-    packer: Packer,
-) -> int:
-    """The most task ticks of the bubbles `members` with `slots` each in one of its candidates (flush with its
-    bubble's end: one piece holds at least what any split holds)."""
-    spans = {i: _span(regions[i]) for i in members}
-    loose = min(
-        sum(packer.packable(s) for s in spans.values()),
-        sum(spans.values()) - sum(s.ticks for s in slots),
-    )
-    if not all(candidates) or math.prod(len(c) for c in candidates) > MAX_CHOICES:
-        return max(0, loose)
-    best = 0
-    packer.work += math.prod(len(c) for c in candidates) * len(members)
-    for choice in itertools.product(*candidates):
-        load = dict.fromkeys(members, 0)
-        for slot, i in zip(slots, choice):
-            load[i] += slot.ticks
-        if all(load[i] <= spans[i] for i in members):
-            best = max(best, sum(packer.packable(spans[i] - load[i]) for i in members))
-    return best
-
-
-def _computations(window: Window) -> list[int]:
-    """Ticks of each of the refresh's computations that bubbles must hold: its statistics and decomposition pieces."""
-    return [t.ticks for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
-
-
 def window_work(window: Window) -> int:
-    """Ticks of the refresh's computations (the same under every distribution of a layer)."""
-    return sum(_computations(window))
-
-
-def device_loads(window: Window) -> list[int]:
-    """The ticks each task holds a device for: a computation one, a collective one per device (a W none: it holds
-    its place, `_device_capacity`)."""
-    return [
-        t.ticks
-        for t in window.tasks
-        if t.kind is not TaskKind.WGRAD
-        for _ in (t.devices if t.kind.collective else (0,))
-    ]
+    """Ticks of the refresh's statistics and decomposition pieces (the same under every distribution of a layer)."""
+    return sum(t.ticks for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV))
 
 
 def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int, meter: Budget | None = None) -> int:
-    """The least refresh period from `lower` to `top` (`top + 1`: none) whose window may hold its refresh's
-    computations whole, and all its tasks (`device_loads`), each counted apart (short collectives would fill the
-    bubbles for the computations). Charged to `meter`; when it runs out, the period reached (still a bound)."""
+    """The least period in [`lower`, `top`] (`top + 1`: none) whose window may hold its computations whole, and apart
+    all its tasks (short collectives would fill the bubbles); charged to `meter`, when out the period reached."""
     packers: tuple[Packer, Packer] | None = None
     found = top + 1
     for k in range(lower, top + 1):
         window = window_at(k)
-        loads = device_loads(window)
+        tasks = [t for t in window.tasks if t.kind is not TaskKind.WGRAD]  # a W keeps its place
+        loads = [t.ticks for t in tasks for _ in (t.devices if t.kind.collective else (0,))]  # a collective on each
         if packers is None:
             unit = max(1, window.offsets[1] // UNITS_PER_STEP)
-            packers = Packer(_computations(window), unit), Packer(loads, unit)
+            computations = [t.ticks for t in tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
+            packers = Packer(computations, unit), Packer(loads, unit)
         capacity = [sum(_device_capacity(window, d, packer) for d in window.group.devices) for packer in packers]
         if window_work(window) <= capacity[0] and sum(loads) <= capacity[1] or _spent(meter):
             found = k  # with no time left, k: every smaller period was ruled out, so it still bounds
@@ -340,8 +301,7 @@ def group_lower_bound(
     min_k: int = 1,
     meter: Budget | None = None,
 ) -> int:
-    """The least refresh period of `group` in `window_at`'s windows (max_period + 1: none): the fluid bound (at least
-    `min_k`) raised by whole tasks (`packing_lower_bound`, charged to `meter`)."""
+    """The least refresh period of `group` (max_period + 1: none): the fluid bound raised by the packing bound."""
     problem = allowance.problem
     fluid = max(min_k, refresh_lower_bound(problem, group, allowance.fused, stretch=allowance.enabled))
     return packing_lower_bound(window_at, fluid, problem.max_period, meter)
@@ -355,8 +315,7 @@ _ORDER = {kind: n for n, kind in enumerate(TaskKind)}
 
 
 class _Gaps:
-    """Free time of one device of a window, beside its fixed work and APPLY slots (at their reference), as sorted
-    [start, end) gaps; `scanned` counts the gaps examined."""
+    """A device's free [start, end) gaps beside its fixed work and APPLY slots; `scanned` counts the gaps examined."""
 
     def __init__(self, window: Window, device: int) -> None:
         slots = tuple((p.reference, p.reference + p.ticks) for p in window.precs if p.device == device and p.ticks > 0)
@@ -379,30 +338,26 @@ class _Gaps:
         for i, (s, e) in enumerate(self.gaps):
             if s <= start and start + ticks <= e:
                 self.scanned += i + 1
-                pieces = [[s, start]] if start > s else []
-                pieces += [[start + ticks, e]] if start + ticks < e else []
-                self.gaps[i : i + 1] = pieces
+                self.gaps[i : i + 1] = [g for g in ([s, start], [start + ticks, e]) if g[0] < g[1]]
                 return
         raise AssertionError(f"[{start}, {start + ticks}) is not free")
 
 
 def _fit_together(gaps: list[_Gaps], earliest: int, need: int) -> int | None:
     """The earliest start where every device in `gaps` has `need` free ticks at once."""
-    t = earliest
-    while True:
+    t: int | None = earliest
+    while t is not None:
         fits = [g.first_fit(t, need) for g in gaps]
-        starts = [s for s in fits if s is not None]
-        if len(starts) < len(fits):
-            return None
-        latest = max(starts)
+        latest = None if None in fits else max(s for s in fits if s is not None)
         if latest == t:
             return t
         t = latest
+    return None
 
 
 def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
-    """The device of each factor's decomposition: a stage's factors dealt over their grad workers longest first, each
-    to the least loaded (`Assignment.LPT`: the paper's round robin by layer sent every feed-forward to one copy)."""
+    """Each factor's decomposition device: dealt over its grad workers longest first to the least loaded (LPT: the
+    paper's round robin by layer sent every feed-forward to one copy)."""
     seconds: dict[tuple[str, str], float] = {}
     dealt: dict[tuple[int, tuple[int, ...]], list[tuple[str, str]]] = {}
     for task in window.tasks:
@@ -411,15 +366,12 @@ def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
             if key not in seconds:
                 dealt.setdefault((task.stage, task.devices), []).append(key)
             seconds[key] = seconds.get(key, 0.0) + sum(task.seconds)
-    out: dict[tuple[str, str], int] = {}
-    for (_, devices), factors in dealt.items():
-        out |= assign_decompositions(factors, devices, Assignment.LPT, seconds)
-    return out
+    lpt = [assign_decompositions(factors, devices, Assignment.LPT, seconds) for (_, devices), factors in dealt.items()]
+    return {key: device for dealing in lpt for key, device in dealing.items()}
 
 
 def greedy_window(window: Window, meter: Budget | None = None) -> GroupSolution | None:
-    """Every task of `window` first-fit in priority order (None when one does not fit), charged to `meter` by its
-    tasks, slots and gaps examined ([Note: greedy charge])."""
+    """Every task first-fit in priority order (None: one does not fit), charged to `meter` ([Note: greedy charge])."""
     gaps = {d: _Gaps(window, d) for d in window.group.devices}
     solution = _place(window, gaps)
     if meter is not None:
@@ -435,44 +387,33 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
         for x in window.problem.costs.stages[s].layers
         for j, p in enumerate(x.parts)
     }
-    starts, devices = [0] * len(window.tasks), [0] * len(window.tasks)
+    tasks, makers, inv_device = window.tasks, w_makers(window), _inv_devices(window)
+    starts, devices = [0] * len(tasks), [0] * len(tasks)
     done: dict[tuple[str, str], int] = {}  # factor -> end of its latest placed task
-    for i, task in enumerate(window.tasks):  # the W's first, where the schedule runs them ([Note: placed W])
+    ws = [i for i, task in enumerate(tasks) if task.kind is TaskKind.WGRAD]  # first, at home ([Note: placed W])
+    rest = (i for i, task in enumerate(tasks) if task.kind is not TaskKind.WGRAD)
+    for i in ws + sorted(rest, key=lambda i: (_ORDER[tasks[i].kind], rank[tasks[i].side], tasks[i].release, i)):
+        task = tasks[i]
         if task.kind is TaskKind.WGRAD:
             assert task.home is not None and task.deadline is not None, "a W task has a home and a deadline"
-            gap = gaps[task.devices[0]]
-            at_home = gap.first_fit(task.home, task.ticks) == task.home
-            start = task.home if at_home else gap.first_fit(task.release, task.ticks)
-            if start is None or start + task.ticks > task.deadline:
-                return None
-            gap.occupy(start, task.ticks)
-            starts[i], devices[i] = start, task.devices[0]
-            for f in task.factors:
-                done[f] = max(done.get(f, 0), start + task.ticks)
-    order = sorted(
-        (i for i, task in enumerate(window.tasks) if task.kind is not TaskKind.WGRAD),
-        key=lambda i: (_ORDER[window.tasks[i].kind], rank[window.tasks[i].side], window.tasks[i].release, i),
-    )
-    inv_device = _inv_devices(window)
-    made: dict[int, int] = {}  # a deferred output gradient's curvature waits for the W's making it
-    for w, c in w_makers(window):
-        made[c] = max(made.get(c, 0), starts[w] + window.tasks[w].ticks)
-    for i in order:
-        task = window.tasks[i]
-        key = task.factors[0]
-        after = made.get(i, 0) if task.kind is TaskKind.CURV else max((done.get(f, 0) for f in task.factors), default=0)
-        members = [inv_device[key]] if task.kind is TaskKind.INV else list(task.devices)
-        slot = window.precs[window.slot(members[0], task.stage)] if task.after_slot else None
-        release = slot.reference + slot.ticks if slot is not None else 0  # a gradient-fed part after its APPLY slot
-        earliest = max(after, release, window.earliest(task))
-        need = math.ceil(task.ticks * (1 + MARGIN))
-        start = _fit_together([gaps[d] for d in members], earliest, need)
+            members, gap = [task.devices[0]], gaps[task.devices[0]]
+            home = gap.first_fit(task.home, task.ticks) == task.home
+            start = task.home if home else gap.first_fit(task.release, task.ticks)
+            start = None if start is None or start + task.ticks > task.deadline else start
+        else:
+            members = [inv_device[task.factors[0]]] if task.kind is TaskKind.INV else list(task.devices)
+            made = (starts[w] + tasks[w].ticks for w, c in makers if c == i)  # a deferred curvature waits for its W
+            after = max(made if task.kind is TaskKind.CURV else (done.get(f, 0) for f in task.factors), default=0)
+            slot = window.precs[window.slot(members[0], task.stage)] if task.after_slot else None
+            release = slot.reference + slot.ticks if slot is not None else 0  # a gradient-fed part after its slot
+            earliest = max(after, release, window.earliest(task))
+            start = _fit_together([gaps[d] for d in members], earliest, math.ceil(task.ticks * (1 + MARGIN)))
         if start is None:
             return None
         for d in members:
             gaps[d].occupy(start, task.ticks)
         starts[i] = start
-        devices[i] = members[0] if task.kind is not TaskKind.BCAST else inv_device[key]
+        devices[i] = inv_device[task.factors[0]] if task.kind is TaskKind.BCAST else members[0]
         for f in task.factors:
             done[f] = max(done.get(f, 0), start + task.ticks)
     if any(starts[i] + done_by(window.tasks[i]) > starts[f] + window.length for i, f in warm_starts(window)):
@@ -483,8 +424,7 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
 
 
 def _spent(meter: Budget | None) -> bool:
-    """Whether `meter`'s time is up on its clock (not the wall-clock net, which stops CP-SAT only): the greedy rule
-    searches no further ([Note: greedy charge])."""
+    """Whether `meter`'s clock is out (not the wall net, which stops CP-SAT only)."""
     return meter is not None and meter.left() <= 0
 
 
@@ -499,10 +439,8 @@ def greedy_group(
     shrink_stretch: bool = True,
     cut: bool = True,
 ) -> GroupSolution:
-    """The paper's rule for one stage group: the least k from the group's lower bound (kept as `k_lower_bound`) to
-    max_period where first-fit places everything with the whole allowance, then (`shrink_stretch`) the least stretch
-    found, all charged to `meter`. PlanError when no k does, or (`cut`) when `meter` runs out first (a candidate's
-    first plan is never cut, so a short limit still plans)."""
+    """The paper's rule for one group: the least k where first-fit places everything with the whole allowance, then
+    (`shrink_stretch`) the least stretch; PlanError when no k does, or (`cut`) when `meter` runs out first."""
     began, problem = time.perf_counter(), allowance.problem
 
     @functools.cache
@@ -534,8 +472,7 @@ def greedy_group(
 def _least_stretch(
     found: GroupSolution, lower: int, window_of: Callable[[int], Window], meter: Budget | None, cut: bool
 ) -> GroupSolution:
-    """The least stretch first-fit finds in `window_of`'s windows from `lower` to found's (`cut`: until `meter` runs
-    out)."""
+    """The least stretch first-fit finds from `lower` to found's (`cut`: until `meter` runs out)."""
     probe = first_fits(lambda stretch: greedy_window(window_of(stretch), meter), meter if cut else None)
     return bisect_least(lower, found, probe)[0]
 
@@ -543,9 +480,8 @@ def _least_stretch(
 def greedy_overhead(
     group: StageGroup, allowance: Allowance, *, stats_chunk: int, resolution: int, meter: Budget
 ) -> tuple[int, GroupSolution | None]:
-    """The stretch the group's work needs at max_period whatever max_overhead says (for a refusal's hint): (ticks any
-    plan needs, first-fit's solution with the least stretch found, None when none within 10 reference steps does
-    before `meter` runs out), on `allowance`'s grid."""
+    """For a refusal's hint, the stretch the group needs at max_period whatever max_overhead says: (ticks any plan
+    needs, first-fit's least-stretch solution or None when none within 10 reference steps is found in time)."""
     assert allowance.scale is not None, "greedy_overhead needs an allowance with a grid"
     problem = allowance.problem
     most = math.floor(10 * step_timeline(problem).length * allowance.scale[0])
