@@ -556,14 +556,9 @@ WORDS: dict[PreconditionerKind, TaskWords] = {
 """The words of every family (the one place they are written)."""
 
 
-def kind_of(costs: CostTable) -> PreconditionerKind:
-    """The family a cost table is for."""
-    return costs.family
-
-
 def words_of(costs: CostTable) -> TaskWords:
     """The words of the family a cost table is for."""
-    return WORDS[kind_of(costs)]
+    return WORDS[costs.family]
 
 
 def tied_owner(stages: Sequence[int]) -> int:
