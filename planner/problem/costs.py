@@ -426,15 +426,17 @@ _OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back", "comm", "
 _NESTED: dict[str, type] = {"stages": StageCost, "layers": LayerCost, "parts": PartCost}  # tuples of cost objects
 
 
-def _plain(obj: Any) -> dict[str, Any]:
-    """`obj` (a cost object or table) as JSON-able values, each optional field and spread at its default left out."""
+def _plain(obj: Any, times: bool = True) -> dict[str, Any]:
+    """`obj` (a cost object or table) as JSON-able values, each optional field and spread at its default left out
+    (with `times` False every time and spread: what it says besides them)."""
     out: dict[str, Any] = {}
     for f in fields(obj):
-        value = getattr(obj, f.name)
-        if (f.name in _OPTIONAL or f.name.endswith(_SPREAD)) and value == f.default:
+        value, spread = getattr(obj, f.name), f.name.endswith(_SPREAD)
+        timed = spread or f.name in _TIMES
+        if ((f.name in _OPTIONAL or spread) and value == f.default) or (timed and not times):
             continue
         if f.name in _NESTED:
-            value = [_plain(x) for x in value]
+            value = [_plain(x, times) for x in value]
         out[f.name] = asdict(value) if isinstance(value, (Spread, CommModel)) else value
     return out
 
@@ -479,7 +481,7 @@ def median_of(tables: Sequence[CostTable]) -> CostTable:
     first = tables[0]
 
     def untimed(table: CostTable) -> tuple[Any, ...]:
-        return (table.micro_batch_size, *map(_untimed, table.stages))
+        return (table.micro_batch_size, *(_plain(s, times=False) for s in table.stages))
 
     for other in tables[1:]:
         if untimed(other) != untimed(first):
@@ -489,15 +491,6 @@ def median_of(tables: Sequence[CostTable]) -> CostTable:
             )
     stages = tuple(combined_stage(of, statistics.median) for of in zip(*(t.stages for t in tables), strict=True))
     return replace(first, stages=stages)
-
-
-def _untimed(obj: Any) -> tuple[Any, ...]:
-    """What a cost object says besides its times and spreads: names and bytes, nested objects' too."""
-    return tuple(
-        tuple(_untimed(x) for x in getattr(obj, f.name)) if f.name in _NESTED else getattr(obj, f.name)
-        for f in fields(obj)
-        if not (f.name in _TIMES or f.name.endswith(_SPREAD))
-    )
 
 
 Reduce = Callable[[list[float]], float]  # how measurements of one time make the planned one (min, median)
