@@ -460,20 +460,37 @@ def _load(cls: type, data: dict[str, Any]) -> Any:
     return cls(**values)
 
 
+_KEEP = object()  # what a `_merged` leaf returns for a field it leaves as it is
+
+
+def _merged(objs: Sequence[Any], leaf: Callable[[str, list[Any]], Any]) -> Any:
+    """The first of `objs` (cost objects or tables alike) with each field `leaf(name, their values)` makes anew,
+    nested objects field by field; a stage's W at most its backward."""
+    changes: dict[str, Any] = {}
+    for f in fields(objs[0]):
+        values = [getattr(x, f.name) for x in objs]
+        if f.name in _NESTED:
+            changes[f.name] = tuple(_merged(xs, leaf) for xs in zip(*values, strict=True))
+        elif (value := leaf(f.name, values)) is not _KEEP:
+            changes[f.name] = value
+    if changes.get("wgrad") is not None and "bwd" in changes:
+        changes["wgrad"] = min(changes["wgrad"], changes["bwd"])
+    return replace(objs[0], **changes)
+
+
 def _scaled(obj: Any, factors: dict[_Scale, float]) -> Any:
     """`obj` (a cost object or table) with each measured field of a scale in `factors` times its factor, nested."""
-    changes: dict[str, Any] = {}
-    for f in fields(obj):
-        value, scale = getattr(obj, f.name), _SCALES.get(f.name.removesuffix(_SPREAD))
-        if f.name in _NESTED:
-            changes[f.name] = tuple(_scaled(x, factors) for x in value)
-        elif scale in factors and value is not None:
-            factor = factors[scale]
-            if isinstance(value, Spread):
-                changes[f.name] = Spread(value.low * factor, value.high * factor)
-            else:
-                changes[f.name] = round(value * factor) if scale is _Scale.BYTES else value * factor
-    return replace(obj, **changes)
+
+    def leaf(name: str, values: list[Any]) -> Any:
+        value, scale = values[0], _SCALES.get(name.removesuffix(_SPREAD))
+        if scale not in factors or value is None:
+            return _KEEP
+        factor = factors[scale]
+        if isinstance(value, Spread):
+            return Spread(value.low * factor, value.high * factor)
+        return round(value * factor) if scale is _Scale.BYTES else value * factor
+
+    return _merged([obj], leaf)
 
 
 def median_of(tables: Sequence[CostTable]) -> CostTable:
@@ -496,30 +513,19 @@ def median_of(tables: Sequence[CostTable]) -> CostTable:
 Reduce = Callable[[list[float]], float]  # how measurements of one time make the planned one (min, median)
 
 
-def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
-    """The combined fields of several measurements of one cost object: times by `time`, `_DIFFERENCES` by the
-    median of those measured, spreads covering theirs, nested objects so too."""
-    out: dict[str, Any] = {}
-    for f in fields(objs[0]):
-        values = [getattr(x, f.name) for x in objs]
-        known = [v for v in values if v is not None]
-        if f.name in _NESTED:
-            out[f.name] = tuple(replace(xs[0], **_combined(xs, time)) for xs in zip(*values, strict=True))
-        elif f.name.endswith(_SPREAD):
-            out[f.name] = Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
-        elif f.name in _DIFFERENCES:
-            out[f.name] = statistics.median(known) if known else None
-        elif f.name in _TIMES:
-            out[f.name] = time(values)
-    return out
-
-
 def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
-    """One stage's costs from several measurements of it (`_combined`; W at most the backward), bytes the first's."""
-    combined = _combined(stages, time)
-    if combined["wgrad"] is not None:
-        combined["wgrad"] = min(combined["wgrad"], combined["bwd"])
-    return replace(stages[0], **combined)
+    """One stage's costs from several measurements of it: times by `time`, `_DIFFERENCES` by the median of those
+    measured, spreads covering theirs, bytes the first's."""
+
+    def leaf(name: str, values: list[Any]) -> Any:
+        known = [v for v in values if v is not None]
+        if name.endswith(_SPREAD):
+            return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
+        if name in _DIFFERENCES:
+            return statistics.median(known) if known else None
+        return time(values) if name in _TIMES else _KEEP
+
+    return _merged(stages, leaf)
 
 
 class InverseMethod(StrEnum):
