@@ -34,7 +34,7 @@ def _check_fields(obj: Any, owner: str) -> None:
                 raise CostModelError(f"{owner}: {f.name} must be a tuple of {kind.__name__}")
         elif f.name.endswith(_SPREAD):
             if value is not None and not isinstance(value, Spread):
-                raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {value!r}")
+                raise CostModelError(f"{owner}: {f.name} must be a Spread {{low, high}} or None, got {value!r}")
         elif (f.name in _SCALES or f.name.endswith("_bytes")) and not (value is None and f.default is None):
             check_number(owner, f.name, value, integer=f.name.endswith("_bytes"))
 
@@ -449,11 +449,7 @@ def _load(cls: type, data: dict[str, Any]) -> Any:
     for key, value in data.items():
         if key in _NESTED:
             values[key] = tuple(_load(_NESTED[key], x) for x in value)
-        elif key.endswith(_SPREAD) and value is not None:
-            if not isinstance(value, dict):
-                raise CostModelError(
-                    f"{key} must be an object {{'low': seconds, 'high': seconds}} or null, got {value!r}"
-                )
+        elif key.endswith(_SPREAD) and isinstance(value, dict):
             values[key] = Spread(**value)
     if "after" in values:
         values["after"] = OpKind(values["after"])
