@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from functools import cache
 
@@ -481,11 +481,9 @@ def _factorization(hw: HardwareSpec, flops: float, b: int) -> float:
 
 def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
     """The peak FLOP/s and bytes per element of `precision` on `hw`."""
-    if precision == Precision.FP32:
-        return hw.peak_flops, 4
-    if precision == Precision.BF16:
-        return hw.peak_flops_tensor, 2
-    raise CostModelError(f"precision must be one of {[p.value for p in Precision]}, got {precision!r}")
+    if precision not in set(Precision):
+        raise CostModelError(f"precision must be one of {[p.value for p in Precision]}, got {precision!r}")
+    return (hw.peak_flops, 4) if precision == Precision.FP32 else (hw.peak_flops_tensor, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -877,10 +875,8 @@ def explain_perf_model(kind: ScheduleKind | str, words: TaskWords = WORDS[Precon
     lines = [f"Performance model for {model.kind} (PipeFisher §3.3; times per micro-batch, per stage):"]
     chimera = "  (for T_b >= T_f)" if model.kind is ScheduleKind.CHIMERA else ""
     lines.append(f"  C_f = {model.C_f},  C_b = {model.C_b}{chimera}")
-    for f in fields(model):
-        if f.name in _DESCRIPTIONS:
-            text = _DESCRIPTIONS[f.name].format(**asdict(words))
-            lines += [f"  {f.name} = {sympy.sstr(getattr(model, f.name))}", f"      {text}"]
+    for name, text in _DESCRIPTIONS.items():
+        lines += [f"  {name} = {sympy.sstr(getattr(model, name))}", f"      {text.format(**asdict(words))}"]
     if model.kind is ScheduleKind.CHIMERA:
         lines.append("  for T_b >= T_f (the usual case):")
         slower_backward = {sympy.Max(T_f, T_b): T_b, sympy.Min(T_f, T_b): T_f, sympy.Abs(T_b - T_f): T_b - T_f}

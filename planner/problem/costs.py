@@ -356,8 +356,12 @@ class CostTable:
         try:
             stages = tuple(_load(StageCost, s) for s in data["stages"])
             comm = CommModel.from_dict(data["comm"]) if data.get("comm") is not None else None
-            family = _family_of_file(data)
-            return cls(stages, data["micro_batch_size"], data["source"], data["hardware"], comm, family)
+            head = str(data["source"]).split(":", 1)[0]  # an older file: the family its source begins with, or K-FAC
+            family = data.get("family", head if head in set(PreconditionerKind) else PreconditionerKind.KFAC)
+            if family not in set(PreconditionerKind):
+                raise CostModelError(f"cost table family {family!r} is not one of {', '.join(PreconditionerKind)}")
+            kind = PreconditionerKind(family)
+            return cls(stages, data["micro_batch_size"], data["source"], data["hardware"], comm, kind)
         except KeyError as e:
             raise CostModelError(f"cost table is missing the key {e.args[0]!r}") from e
         except TypeError as e:
@@ -387,17 +391,6 @@ class CostTable:
         ratio = micro_batch_size / self.micro_batch_size
         scaled = _scaled(self, dict.fromkeys((_Scale.PASS, _Scale.STATS, _Scale.BYTES), ratio))
         return replace(scaled, micro_batch_size=micro_batch_size)
-
-
-def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
-    """A table file's family: its "family" key, else (an older file) the family its source begins with, else K-FAC."""
-    head = str(data["source"]).split(":", 1)[0]
-    family = data.get("family", head if head in {k.value for k in PreconditionerKind} else PreconditionerKind.KFAC)
-    try:
-        return PreconditionerKind(family)
-    except ValueError:
-        known = ", ".join(k.value for k in PreconditionerKind)
-        raise CostModelError(f"cost table family {family!r} is not one of {known}") from None
 
 
 class _Scale(StrEnum):
