@@ -586,8 +586,7 @@ def _stage_ranges(stages: Stages, block_costs: list[float]) -> list[range]:
 
 QR_FLOPS = 8 / 3  # FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)
 
-NEWTON_ITERATIONS = 20
-"""Coupled inverse Newton iterations per root (about 20 to ||M_k - I|| < 1e-6 at float32, condition <= 1e6)."""
+NEWTON_ITERATIONS = 20  # coupled inverse Newton iterations per root (to ||M_k - I|| < 1e-6 in fp32, condition <= 1e6)
 
 
 class RootMethod(StrEnum):

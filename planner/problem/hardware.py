@@ -260,8 +260,7 @@ class HardwareSpec:
 
 _US = 1e-6
 _NODE = 8  # DGX-1 (P100, V100), DGX A100 and DGX H100 hold 8 GPUs per node
-_NVLINK_US, _NET_US = 3.4 * _US, 9.6 * _US
-"""Latency per message step: NCCL's own model (src/graph/tuning.cc `hwLat`, Ring / Simple), NVLink and network."""
+_NVLINK_US, _NET_US = 3.4 * _US, 9.6 * _US  # a message step's latency: NCCL's tuning.cc `hwLat` (Ring, Simple)
 
 
 _DATASHEETS = {
