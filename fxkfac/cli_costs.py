@@ -7,7 +7,7 @@ import argparse
 from fxkfac.cli_args import AUTO, CliError, device, kind, micro_batch_size
 from fxkfac.cli_targets import factory, is_factory
 from fxkfac.planner.problem import CostTable, PreconditionerKind, ProfileLayers, load_cost_table
-from fxkfac.planner.problem.costs import WORDS, kind_of
+from fxkfac.planner.problem.costs import WORDS
 from fxkfac.planner.problem.profiles import is_profile
 
 
@@ -49,10 +49,10 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
             )
         else:
             table = load_cost_table(args.costs)
-        if kind_of(table) is not family:
+        if table.family is not family:
             raise CliError(
-                f"{args.costs} is a cost table of {WORDS[kind_of(table)].name}, not of "
-                f"{WORDS[family].name}; pass --preconditioner {kind_of(table).value}"
+                f"{args.costs} is a cost table of {WORDS[table.family].name}, not of "
+                f"{WORDS[family].name}; pass --preconditioner {table.family.value}"
             )
     elif is_factory(args.target):
         table = factory(args, S).costs

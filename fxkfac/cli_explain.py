@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from fxkfac.planner.problem import CostTable, OpKind, PreconditionerKind, Problem
-from fxkfac.planner.problem.costs import WORDS, kind_of
+from fxkfac.planner.problem.costs import WORDS
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
@@ -53,8 +53,7 @@ def explain(args: argparse.Namespace, costs: CostTable, simulated: float, consol
     """The performance model with these costs, and how its T_pipe relates to the simulated step time
     (`simulated`, the step time before preconditioning that the plan's summary shows); the simulated step alone for
     a zero-bubble schedule."""
-    from fxkfac.planner.problem.perf_model import evaluate, perf_model, pipe_gap
-    from fxkfac.planner.problem.perf_model import explain as model_text
+    from fxkfac.planner.problem.analytic import evaluate, explain_perf_model, perf_model, pipe_gap
     from fxkfac.planner.problem.problem import format_bytes
     from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS
 
@@ -65,13 +64,13 @@ def explain(args: argparse.Namespace, costs: CostTable, simulated: float, consol
             markup=False,
         )
         return
-    muon = kind_of(costs) is PreconditionerKind.MUON
+    muon = costs.family is PreconditionerKind.MUON
     model = perf_model(args.schedule)
     values = {"D": args.stages, "N": args.microbatches, "v": args.virtual_stages, **_stage_means(costs)}
     if muon:  # no refresh: the model's statistics, decompositions and refresh ratio are all zero
         console.print(_MUON_MODEL, markup=False, highlight=False)
     else:
-        console.print(model_text(args.schedule, WORDS[kind_of(costs)]), markup=False, highlight=False)
+        console.print(explain_perf_model(args.schedule, WORDS[costs.family]), markup=False, highlight=False)
     console.print(f"With these costs (stage means, {costs.source}):", markup=False)
     for name in ("T_pipe", "T_bubble") if muon else ("T_pipe", "T_bubble", "T_kfac"):
         console.print(f"  {name} = {evaluate(getattr(model, name), values) * 1e3:.2f} ms", markup=False)
@@ -83,7 +82,7 @@ def explain(args: argparse.Namespace, costs: CostTable, simulated: float, consol
     if not muon:
         console.print(f"  ratio = {evaluate(model.ratio, values):.2f} steps per refresh", markup=False)
     slowest = evaluate(model.T_pipe, {**values, **_slowest_stage(costs)})
-    console.print(pipe_gap(evaluate(model.T_pipe, values), slowest, simulated, WORDS[kind_of(costs)]), markup=False)
+    console.print(pipe_gap(evaluate(model.T_pipe, values), slowest, simulated, WORDS[costs.family]), markup=False)
 
 
 def explain_comm(problem: Problem, console: Console) -> None:
@@ -132,7 +131,7 @@ def explain_ns(plan: Plan, console: Console) -> None:
     when in the step, then the step time they add against Muon on the critical path; nothing for another family."""
     from fxkfac.planner.plan import ns_summary, ns_tasks
 
-    if kind_of(plan.problem.costs) is not PreconditionerKind.MUON:
+    if plan.problem.costs.family is not PreconditionerKind.MUON:
         return
     console.print("Newton-Schulz tasks of the step (ms from the step's start):", markup=False)
     for t in ns_tasks(plan):

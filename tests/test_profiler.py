@@ -304,7 +304,7 @@ def test_tables_without_spreads_write_and_read_as_before() -> None:
     [
         ({"low": 2.0, "high": 1.0}, "exceeds high"),
         ({"low": -1.0, "high": 1.0}, "finite and >= 0"),
-        ([1.0, 2.0], "must be an object"),
+        ([1.0, 2.0], "bwd_spread must be a Spread"),
         ({"low": 1.0}, "malformed entry"),
     ],
 )

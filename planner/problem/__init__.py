@@ -1,6 +1,6 @@
 """The problem and its costs (IR, schedules, strategies, cost tables, hardware, programs, the simulated step), the
-bottom of the planner. Exported: what describes a problem, and the errors; the rest (sympy's analytic and
-perf_model among it) is imported from its module."""
+bottom of the planner. Exported: what describes a problem, and the errors; the rest (sympy's analytic model
+among it) is imported from its module."""
 
 from fxkfac.planner.problem.costs import CostTable, InverseMethod, LayerCost, PartCost, PreconditionerKind, StageCost
 from fxkfac.planner.problem.errors import (

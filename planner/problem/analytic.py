@@ -1,30 +1,34 @@
-"""Analytic cost model: FLOP and byte counts over a hardware spec made into a CostTable for K-FAC (sympy expressions
-over one Linear), Shampoo and SOAP (a LayerCost per parameter, in blocks) and Muon (a LayerCost per parameter).
-
-Each kernel takes `roofline` seconds; a multiply-add is 2 FLOPs. Symbols: b micro-batch size, s rows per sample,
-d_in/d_out Linear widths, beta 1 with a bias (the A factor gets a ones column), h heads, d_h head width, n a factor's
-side, p bytes per activation element; factors fp32. Shampoo and SOAP precondition each parameter's `matrix_view`
-(Distributed Shampoo, §4.2) in blocks: statistics every step (L += G G^T, 2 r^2 c FLOPs; R += G^T G, 2 r c^2), a
-`RootMethod` decomposition per side and refresh, an APPLY every step (L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP
-twice) plus elementwise passes. Muon orthogonalizes each hidden 2-D weight by `ns_steps` Newton-Schulz iterations.
-"""
+"""Analytic cost model: FLOP and byte counts over a hardware spec (`roofline` seconds a kernel, a multiply-add 2 FLOPs)
+made into a CostTable for K-FAC (sympy expressions over one Linear), Shampoo and SOAP (a LayerCost per parameter, its
+`matrix_view` in blocks as Distributed Shampoo §4.2) and Muon (a LayerCost per parameter); and the PipeFisher
+performance model per pipeline schedule (`perf_model`, paper §3.3)."""
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from functools import cache
 
 import sympy
 
-from fxkfac.planner.problem.costs import CostTable, InverseMethod, LayerCost, PartCost, PreconditionerKind, StageCost
-from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.costs import (
+    WORDS,
+    CostTable,
+    InverseMethod,
+    LayerCost,
+    PartCost,
+    PreconditionerKind,
+    StageCost,
+    TaskWords,
+)
+from fxkfac.planner.problem.errors import CostModelError, ScheduleError
 from fxkfac.planner.problem.hardware import HardwareSpec, Precision, check_count
 from fxkfac.planner.problem.hardware import hardware as get_hardware
 from fxkfac.planner.problem.ir import NS_STEPS, OpKind
+from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, ScheduleKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +371,8 @@ def partition(
     raise ValueError(f"unknown large_dim_method {method!r}; use one of {[m.value for m in LargeDimMethod]}")
 
 
+# b micro-batch size, s rows per sample, d_in/d_out Linear widths, beta 1 with a bias (A's ones column), h heads, d_h
+# head width, n a factor's side, p bytes per activation element (factors fp32); d, f a block's hidden and MLP widths
 b, s, d_in, d_out, beta, h, d_h, n, p = sympy.symbols("b s d_in d_out beta h d_h n p", positive=True)
 d, f = sympy.symbols("d f", positive=True)
 _ARGS = (b, s, d_in, d_out, beta, h, d_h, n, p)  # what the compiled expressions take, in order
@@ -475,11 +481,9 @@ def _factorization(hw: HardwareSpec, flops: float, b: int) -> float:
 
 def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
     """The peak FLOP/s and bytes per element of `precision` on `hw`."""
-    if precision == Precision.FP32:
-        return hw.peak_flops, 4
-    if precision == Precision.BF16:
-        return hw.peak_flops_tensor, 2
-    raise CostModelError(f"precision must be one of {[p.value for p in Precision]}, got {precision!r}")
+    if precision not in set(Precision):
+        raise CostModelError(f"precision must be one of {[p.value for p in Precision]}, got {precision!r}")
+    return (hw.peak_flops, 4) if precision == Precision.FP32 else (hw.peak_flops_tensor, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,8 +586,7 @@ def _stage_ranges(stages: Stages, block_costs: list[float]) -> list[range]:
 
 QR_FLOPS = 8 / 3  # FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)
 
-NEWTON_ITERATIONS = 20
-"""Coupled inverse Newton iterations per root (about 20 to ||M_k - I|| < 1e-6 at float32, condition <= 1e6)."""
+NEWTON_ITERATIONS = 20  # coupled inverse Newton iterations per root (to ||M_k - I|| < 1e-6 in fp32, condition <= 1e6)
 
 
 class RootMethod(StrEnum):
@@ -768,3 +771,132 @@ def analytic_cost_table(
     source = f"analytic:{spec.name}:seq{seq}:{precision}:{tag}"  # the family in front, but K-FAC's (as always)
     source = source if kind is PreconditionerKind.KFAC else f"{kind.value}:{source}"
     return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm, kind)
+
+
+T_f, T_b = sympy.symbols("T_f T_b", positive=True)
+D, N, v, W = sympy.symbols("D N v W", positive=True, integer=True)
+M_theta, M_act, M_err_peak, M_err_save, M_curv, M_inv = sympy.symbols(
+    "M_theta M_act M_err_peak M_err_save M_curv M_inv", nonnegative=True
+)
+T_curv, T_inv, T_prec, T_gstat = sympy.symbols("T_curv T_inv T_prec T_gstat", nonnegative=True)
+
+_ALL = (T_f, T_b, D, N, v, W, M_theta, M_act, M_err_peak, M_err_save, M_curv, M_inv, T_curv, T_inv, T_prec, T_gstat)
+PERF_SYMBOLS: dict[str, sympy.Symbol] = {s.name: s for s in _ALL}
+"""Every symbol by name; per (virtual) stage, T_f, T_b, T_curv, M_act, M_err_* per micro-batch, T_gstat per step
+(a gradient-fed family's statistics; 0 for K-FAC)."""
+
+_DESCRIPTIONS = {
+    "T_pipe": "time of one pipeline step (all F and B of the step, critical path)",
+    "T_bubble": "idle time per device in one step (the same on every device for these schedules)",
+    "M_pipe": "worst-device memory: parameters+gradients of its stages, in-flight activations, peak errors",
+    "T_kfac": "{name} work per device: {stats} and {decomp} (to fit in bubbles) plus {apply}",
+    "M_kfac": "{name} memory per device: {stats} and {decomp} results, errors kept for deferred {stats}",
+    "ratio": "({stats} + {decomp}) / bubble left by per-step {stats}: pipeline steps needed per refresh",
+}
+
+
+@dataclass(frozen=True)
+class PerfModel:
+    """The symbolic model of one schedule; `C_f`/`C_b` count F/B on the critical path."""
+
+    kind: ScheduleKind
+    C_f: sympy.Expr
+    C_b: sympy.Expr
+    T_pipe: sympy.Expr
+    T_bubble: sympy.Expr
+    M_pipe: sympy.Expr
+    T_kfac: sympy.Expr
+    M_kfac: sympy.Expr
+    ratio: sympy.Expr
+    peak_inflight: sympy.Expr
+
+
+def _shape(kind: ScheduleKind) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
+    """(C_f, C_b, stages per device, F/B pairs per device, worst-device in-flight micro-batches)."""
+    if kind in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B):
+        inflight = N if kind is ScheduleKind.GPIPE else sympy.Min(N, D)
+        return N + D - 1, N + D - 1, sympy.Integer(1), N, inflight
+    if kind is ScheduleKind.INTERLEAVED:
+        return N * v + D - 1, N * v + D - 1, v, N * v, sympy.Min(N * v, (v + 1) * D - 1)
+    k = N / D
+    return D + 2 * (k - 1), k * (2 * D - 2), sympy.Integer(2), N, D
+
+
+def perf_model(kind: ScheduleKind | str) -> PerfModel:
+    """The paper's §3.3 expressions for `kind`, exact for uniform stages (checked against simulate): C_f = C_b =
+    N+D-1 for GPipe/1F1B (N*v+D-1 interleaved); Chimera (N = kD) C_f = D+2(k-1), C_b = k(2D-2) for T_b >= T_f. M_pipe
+    uses each schedule's exact in-flight peak where the paper writes N*M_act."""
+    kind = ScheduleKind(kind)
+    if kind in ZERO_BUBBLE_KINDS:
+        raise ScheduleError(f"{kind} has no closed form here (its W's fill the bubbles); simulate its programs")
+    C_f, C_b, per_device, mbs, inflight = _shape(kind)
+    if kind is ScheduleKind.CHIMERA:
+        # Li & Hoefler, SC 2021: D*T_f + (2D-2)*T_b per unit of D micro-batches when T_b >= T_f (the roles of T_f
+        # and T_b swap otherwise), plus D(T_f+T_b) + (D-2)|T_b-T_f| per extra unit
+        lo, hi = sympy.Min(T_f, T_b), sympy.Max(T_f, T_b)
+        T_pipe = D * lo + (2 * D - 2) * hi + (N / D - 1) * (D * (T_f + T_b) + (D - 2) * sympy.Abs(T_b - T_f))
+        T_bubble = T_pipe - mbs * (T_f + T_b)
+    else:
+        T_pipe = C_f * T_f + C_b * T_b
+        T_bubble = sympy.factor(T_pipe - mbs * (T_f + T_b))
+    fill = mbs * T_curv + per_device * T_inv
+    return PerfModel(
+        kind=kind,
+        C_f=sympy.simplify(C_f),
+        C_b=sympy.simplify(C_b),
+        T_pipe=T_pipe,
+        T_bubble=T_bubble,
+        M_pipe=2 * per_device * M_theta + inflight * M_act + M_err_peak,
+        T_kfac=fill + per_device * (T_gstat + T_prec),
+        M_kfac=per_device * (M_curv + M_inv) + mbs * M_err_save,
+        ratio=fill / (T_bubble - per_device * T_gstat),
+        peak_inflight=inflight,
+    )
+
+
+def evaluate(expr: sympy.Expr, values: Mapping[str, float]) -> float:
+    """`expr` as a float with symbols substituted by name (e.g. {"T_f": 1.0, "D": 4, ...}); T_gstat is 0 unless
+    given (K-FAC takes no statistics from the gradient)."""
+    values = {"T_gstat": 0.0, **values}
+    unknown = set(values) - set(PERF_SYMBOLS)
+    if unknown:
+        raise KeyError(f"unknown symbols {sorted(unknown)}; known: {sorted(PERF_SYMBOLS)}")
+    result = expr.subs({PERF_SYMBOLS[name]: value for name, value in values.items()})
+    if result.free_symbols:
+        missing = sorted(s.name for s in result.free_symbols)
+        raise KeyError(f"give values for {missing} to evaluate {expr}")
+    return float(result)
+
+
+def explain_perf_model(kind: ScheduleKind | str, words: TaskWords = WORDS[PreconditionerKind.KFAC]) -> str:
+    """Printable expressions of the model for `kind` (`fxkfac plan --explain`), the work named in the family's words."""
+    model = perf_model(kind)
+    lines = [f"Performance model for {model.kind} (PipeFisher §3.3; times per micro-batch, per stage):"]
+    chimera = "  (for T_b >= T_f)" if model.kind is ScheduleKind.CHIMERA else ""
+    lines.append(f"  C_f = {model.C_f},  C_b = {model.C_b}{chimera}")
+    for name, text in _DESCRIPTIONS.items():
+        lines += [f"  {name} = {sympy.sstr(getattr(model, name))}", f"      {text.format(**asdict(words))}"]
+    if model.kind is ScheduleKind.CHIMERA:
+        lines.append("  for T_b >= T_f (the usual case):")
+        slower_backward = {sympy.Max(T_f, T_b): T_b, sympy.Min(T_f, T_b): T_f, sympy.Abs(T_b - T_f): T_b - T_f}
+        for name in ("T_pipe", "T_bubble", "ratio"):
+            lines.append(f"    {name} = {sympy.sstr(sympy.factor(getattr(model, name).subs(slower_backward)))}")
+    return "\n".join(lines)
+
+
+def pipe_gap(
+    at_means: float, at_slowest: float, simulated: float, words: TaskWords = WORDS[PreconditionerKind.KFAC]
+) -> str:
+    """How T_pipe, written for equal stages, relates to the simulated step (seconds: T_pipe at the stage means, with
+    every stage as slow as the slowest, the simulation), in words for `--explain`."""
+    if abs(simulated - at_means) <= 1e-3 * simulated:
+        return (
+            f"  T_pipe agrees with the simulated step before {words.name} ({simulated * 1e3:.2f} ms, the "
+            "plan's step time)"
+        )
+    return (
+        f"  T_pipe is written for equal stages; the plan's step time before {words.name} "
+        f"({simulated * 1e3:.2f} ms) is "
+        f"simulated with each stage's own costs, {(simulated - at_means) * 1e3:+.2f} ms from T_pipe at the stage "
+        f"means because the stages differ (every stage as slow as the slowest: T_pipe = {at_slowest * 1e3:.2f} ms)"
+    )

@@ -34,7 +34,7 @@ def _check_fields(obj: Any, owner: str) -> None:
                 raise CostModelError(f"{owner}: {f.name} must be a tuple of {kind.__name__}")
         elif f.name.endswith(_SPREAD):
             if value is not None and not isinstance(value, Spread):
-                raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {value!r}")
+                raise CostModelError(f"{owner}: {f.name} must be a Spread {{low, high}} or None, got {value!r}")
         elif (f.name in _SCALES or f.name.endswith("_bytes")) and not (value is None and f.default is None):
             check_number(owner, f.name, value, integer=f.name.endswith("_bytes"))
 
@@ -356,8 +356,12 @@ class CostTable:
         try:
             stages = tuple(_load(StageCost, s) for s in data["stages"])
             comm = CommModel.from_dict(data["comm"]) if data.get("comm") is not None else None
-            family = _family_of_file(data)
-            return cls(stages, data["micro_batch_size"], data["source"], data["hardware"], comm, family)
+            head = str(data["source"]).split(":", 1)[0]  # an older file: the family its source begins with, or K-FAC
+            family = data.get("family", head if head in set(PreconditionerKind) else PreconditionerKind.KFAC)
+            if family not in set(PreconditionerKind):
+                raise CostModelError(f"cost table family {family!r} is not one of {', '.join(PreconditionerKind)}")
+            kind = PreconditionerKind(family)
+            return cls(stages, data["micro_batch_size"], data["source"], data["hardware"], comm, kind)
         except KeyError as e:
             raise CostModelError(f"cost table is missing the key {e.args[0]!r}") from e
         except TypeError as e:
@@ -389,17 +393,6 @@ class CostTable:
         return replace(scaled, micro_batch_size=micro_batch_size)
 
 
-def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
-    """A table file's family: its "family" key, else (an older file) the family its source begins with, else K-FAC."""
-    head = str(data["source"]).split(":", 1)[0]
-    family = data.get("family", head if head in {k.value for k in PreconditionerKind} else PreconditionerKind.KFAC)
-    try:
-        return PreconditionerKind(family)
-    except ValueError:
-        known = ", ".join(k.value for k in PreconditionerKind)
-        raise CostModelError(f"cost table family {family!r} is not one of {known}") from None
-
-
 class _Scale(StrEnum):
     """How a cost field scales: a forward/backward time per micro-batch (PASS), a statistic's time per micro-batch
     (STATS), a preconditioner time per step (STEP), or bytes per micro-batch (BYTES); a spread as its time."""
@@ -426,15 +419,17 @@ _OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back", "comm", "
 _NESTED: dict[str, type] = {"stages": StageCost, "layers": LayerCost, "parts": PartCost}  # tuples of cost objects
 
 
-def _plain(obj: Any) -> dict[str, Any]:
-    """`obj` (a cost object or table) as JSON-able values, each optional field and spread at its default left out."""
+def _plain(obj: Any, times: bool = True) -> dict[str, Any]:
+    """`obj` (a cost object or table) as JSON-able values, each optional field and spread at its default left out
+    (with `times` False every time and spread: what it says besides them)."""
     out: dict[str, Any] = {}
     for f in fields(obj):
-        value = getattr(obj, f.name)
-        if (f.name in _OPTIONAL or f.name.endswith(_SPREAD)) and value == f.default:
+        value, spread = getattr(obj, f.name), f.name.endswith(_SPREAD)
+        timed = spread or f.name in _TIMES
+        if ((f.name in _OPTIONAL or spread) and value == f.default) or (timed and not times):
             continue
         if f.name in _NESTED:
-            value = [_plain(x) for x in value]
+            value = [_plain(x, times) for x in value]
         out[f.name] = asdict(value) if isinstance(value, (Spread, CommModel)) else value
     return out
 
@@ -447,31 +442,44 @@ def _load(cls: type, data: dict[str, Any]) -> Any:
     for key, value in data.items():
         if key in _NESTED:
             values[key] = tuple(_load(_NESTED[key], x) for x in value)
-        elif key.endswith(_SPREAD) and value is not None:
-            if not isinstance(value, dict):
-                raise CostModelError(
-                    f"{key} must be an object {{'low': seconds, 'high': seconds}} or null, got {value!r}"
-                )
+        elif key.endswith(_SPREAD) and isinstance(value, dict):
             values[key] = Spread(**value)
     if "after" in values:
         values["after"] = OpKind(values["after"])
     return cls(**values)
 
 
+_KEEP = object()  # what a `_merged` leaf returns for a field it leaves as it is
+
+
+def _merged(objs: Sequence[Any], leaf: Callable[[str, list[Any]], Any]) -> Any:
+    """The first of `objs` (cost objects or tables alike) with each field `leaf(name, their values)` makes anew,
+    nested objects field by field; a stage's W at most its backward."""
+    changes: dict[str, Any] = {}
+    for f in fields(objs[0]):
+        values = [getattr(x, f.name) for x in objs]
+        if f.name in _NESTED:
+            changes[f.name] = tuple(_merged(xs, leaf) for xs in zip(*values, strict=True))
+        elif (value := leaf(f.name, values)) is not _KEEP:
+            changes[f.name] = value
+    if changes.get("wgrad") is not None and "bwd" in changes:
+        changes["wgrad"] = min(changes["wgrad"], changes["bwd"])
+    return replace(objs[0], **changes)
+
+
 def _scaled(obj: Any, factors: dict[_Scale, float]) -> Any:
     """`obj` (a cost object or table) with each measured field of a scale in `factors` times its factor, nested."""
-    changes: dict[str, Any] = {}
-    for f in fields(obj):
-        value, scale = getattr(obj, f.name), _SCALES.get(f.name.removesuffix(_SPREAD))
-        if f.name in _NESTED:
-            changes[f.name] = tuple(_scaled(x, factors) for x in value)
-        elif scale in factors and value is not None:
-            factor = factors[scale]
-            if isinstance(value, Spread):
-                changes[f.name] = Spread(value.low * factor, value.high * factor)
-            else:
-                changes[f.name] = round(value * factor) if scale is _Scale.BYTES else value * factor
-    return replace(obj, **changes)
+
+    def leaf(name: str, values: list[Any]) -> Any:
+        value, scale = values[0], _SCALES.get(name.removesuffix(_SPREAD))
+        if scale not in factors or value is None:
+            return _KEEP
+        factor = factors[scale]
+        if isinstance(value, Spread):
+            return Spread(value.low * factor, value.high * factor)
+        return round(value * factor) if scale is _Scale.BYTES else value * factor
+
+    return _merged([obj], leaf)
 
 
 def median_of(tables: Sequence[CostTable]) -> CostTable:
@@ -479,7 +487,7 @@ def median_of(tables: Sequence[CostTable]) -> CostTable:
     first = tables[0]
 
     def untimed(table: CostTable) -> tuple[Any, ...]:
-        return (table.micro_batch_size, *map(_untimed, table.stages))
+        return (table.micro_batch_size, *(_plain(s, times=False) for s in table.stages))
 
     for other in tables[1:]:
         if untimed(other) != untimed(first):
@@ -491,42 +499,22 @@ def median_of(tables: Sequence[CostTable]) -> CostTable:
     return replace(first, stages=stages)
 
 
-def _untimed(obj: Any) -> tuple[Any, ...]:
-    """What a cost object says besides its times and spreads: names and bytes, nested objects' too."""
-    return tuple(
-        tuple(_untimed(x) for x in getattr(obj, f.name)) if f.name in _NESTED else getattr(obj, f.name)
-        for f in fields(obj)
-        if not (f.name in _TIMES or f.name.endswith(_SPREAD))
-    )
-
-
 Reduce = Callable[[list[float]], float]  # how measurements of one time make the planned one (min, median)
 
 
-def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
-    """The combined fields of several measurements of one cost object: times by `time`, `_DIFFERENCES` by the
-    median of those measured, spreads covering theirs, nested objects so too."""
-    out: dict[str, Any] = {}
-    for f in fields(objs[0]):
-        values = [getattr(x, f.name) for x in objs]
-        known = [v for v in values if v is not None]
-        if f.name in _NESTED:
-            out[f.name] = tuple(replace(xs[0], **_combined(xs, time)) for xs in zip(*values, strict=True))
-        elif f.name.endswith(_SPREAD):
-            out[f.name] = Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
-        elif f.name in _DIFFERENCES:
-            out[f.name] = statistics.median(known) if known else None
-        elif f.name in _TIMES:
-            out[f.name] = time(values)
-    return out
-
-
 def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
-    """One stage's costs from several measurements of it (`_combined`; W at most the backward), bytes the first's."""
-    combined = _combined(stages, time)
-    if combined["wgrad"] is not None:
-        combined["wgrad"] = min(combined["wgrad"], combined["bwd"])
-    return replace(stages[0], **combined)
+    """One stage's costs from several measurements of it: times by `time`, `_DIFFERENCES` by the median of those
+    measured, spreads covering theirs, bytes the first's."""
+
+    def leaf(name: str, values: list[Any]) -> Any:
+        known = [v for v in values if v is not None]
+        if name.endswith(_SPREAD):
+            return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
+        if name in _DIFFERENCES:
+            return statistics.median(known) if known else None
+        return time(values) if name in _TIMES else _KEEP
+
+    return _merged(stages, leaf)
 
 
 class InverseMethod(StrEnum):
@@ -556,14 +544,9 @@ WORDS: dict[PreconditionerKind, TaskWords] = {
 """The words of every family (the one place they are written)."""
 
 
-def kind_of(costs: CostTable) -> PreconditionerKind:
-    """The family a cost table is for."""
-    return costs.family
-
-
 def words_of(costs: CostTable) -> TaskWords:
     """The words of the family a cost table is for."""
-    return WORDS[kind_of(costs)]
+    return WORDS[costs.family]
 
 
 def tied_owner(stages: Sequence[int]) -> int:

@@ -260,8 +260,7 @@ class HardwareSpec:
 
 _US = 1e-6
 _NODE = 8  # DGX-1 (P100, V100), DGX A100 and DGX H100 hold 8 GPUs per node
-_NVLINK_US, _NET_US = 3.4 * _US, 9.6 * _US
-"""Latency per message step: NCCL's own model (src/graph/tuning.cc `hwLat`, Ring / Simple), NVLink and network."""
+_NVLINK_US, _NET_US = 3.4 * _US, 9.6 * _US  # a message step's latency: NCCL's tuning.cc `hwLat` (Ring, Simple)
 
 
 _DATASHEETS = {
@@ -289,8 +288,7 @@ def _datasheet(name: str, figures: tuple[float, float, float, int, float, float,
 
 HARDWARE: dict[str, HardwareSpec] = {name: _datasheet(name, figures) for name, figures in _DATASHEETS.items()}
 
-_GLOO = ((441, 1.44), (152, 2.64), (356, 0.44), (318, 3.41))
-"""(alpha us, GB/s) of all-reduce, broadcast, all-gather, send: gloo over TCP loopback, benchmarks/comm_fit.py's fit."""
+_GLOO = ((441, 1.44), (152, 2.64), (356, 0.44), (318, 3.41))  # (alpha us, GB/s) per Collective: comm_fit's fit
 _LOOPBACK = LinkCosts(*(AlphaBeta.of_link(alpha * _US, bandwidth * _GB) for alpha, bandwidth in _GLOO))
 _CPU_COMM = CommModel.single_link(_LOOPBACK, _NODE, "analytic:cpu gloo loopback (measured)")
 # A nominal 2-core AVX2/FMA CPU (2 cores x 2.5 GHz x 32 FP32 FLOP/cycle, no faster 16-bit path, DDR4), LAPACK at a

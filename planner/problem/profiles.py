@@ -106,18 +106,25 @@ def is_profile(source: str | Path) -> bool:
 def block_profile_json(rows: Sequence[Mapping[str, float]], *, model: str, device: str, **about: Any) -> str:
     """The text of a per-block profile JSON: `rows`, one per micro-batch size with every `PIPEFISHER_COLUMNS` value
     (ms and MiB per block), the model and device, and `about` the measurement (dtype, sequence length ...)."""
-    if not rows:
-        raise CostModelError("a block profile needs at least one row")
-    for row in rows:
-        missing = [c for c in PIPEFISHER_COLUMNS if c not in row]
-        if missing:
-            raise CostModelError(f"a block profile row lacks the columns {missing}")
     body = {"format": BLOCK_PROFILE_FORMAT, "model": model, "device": device, **about}
-    body["rows"] = [{c: float(row[c]) for c in PIPEFISHER_COLUMNS} for row in rows]
+    body["rows"] = list(_checked_rows(rows, "a block profile").values())
     return json.dumps(body, indent=1) + "\n"
 
 
 _Rows = dict[int, dict[str, float]]
+
+
+def _checked_rows(rows: Any, where: str) -> _Rows:
+    """`rows` (objects with every `PIPEFISHER_COLUMNS` value) as numbers by micro-batch size, checked."""
+    if not isinstance(rows, (list, tuple)) or not rows or not all(isinstance(r, Mapping) for r in rows):
+        raise CostModelError(f"{where}: the profile needs rows (objects) with the columns {list(PIPEFISHER_COLUMNS)}")
+    missing = sorted({c for r in rows for c in PIPEFISHER_COLUMNS if c not in r})
+    if missing:
+        raise CostModelError(f"{where}: rows lack the columns {missing}")
+    try:
+        return {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in rows}
+    except (ValueError, TypeError) as e:
+        raise CostModelError(f"{where}: a value is not a number ({e})") from e
 
 
 def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
@@ -138,19 +145,10 @@ def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
         if not isinstance(data, dict) or data.get("format") != BLOCK_PROFILE_FORMAT:
             raise CostModelError(f"{where}: not a per-block profile (its 'format' is not {BLOCK_PROFILE_FORMAT!r})")
         rows, device = data.get("rows"), str(data.get("device", "unknown"))
-    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
-        raise CostModelError(f"{where}: the profile needs rows (objects) with the columns {list(PIPEFISHER_COLUMNS)}")
-    missing = sorted({c for r in rows for c in PIPEFISHER_COLUMNS if c not in r})
-    if missing:
-        raise CostModelError(f"{where}: rows lack the columns {missing}")
-    try:
-        numbers = {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in rows}
-    except (ValueError, TypeError) as e:
-        raise CostModelError(f"{where}: a value is not a number ({e})") from e
-    return numbers, name, device
+    return _checked_rows(rows, where), name, device
 
 
-def _row_at(rows: dict[int, dict[str, float]], bs: int, where: str) -> dict[str, float]:
+def _row_at(rows: _Rows, bs: int, where: str) -> dict[str, float]:
     """The row for micro-batch size bs, linearly interpolated between the nearest measured sizes."""
     if bs in rows:
         return rows[bs]

@@ -62,7 +62,7 @@ def test_errors_name_the_problem(shipped: None, tmp_path: Path) -> None:
         load_cost_table("gpu:bert-base/v100", **OPTIONS)
     with pytest.raises(CostModelError, match="pass \\['blocks_per_stage', 'micro_batch_size'\\]"):
         load_cost_table("gpu:bert-base/testgpu")
-    with pytest.raises(CostModelError, match="lacks the columns"):
+    with pytest.raises(CostModelError, match="rows lack the columns"):
         block_profile_json([{"bs": 1.0}], model="m", device="d")
     bad = tmp_path / "m_d.json"
     bad.write_text('{"format": "fxkfac-block-profile/1", "rows": [{"bs": 1}]}')

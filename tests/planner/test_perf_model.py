@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from fxkfac.planner.problem.analytic import PERF_SYMBOLS, evaluate, explain_perf_model, perf_model
 from fxkfac.planner.problem.errors import ScheduleError
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.lowering import rank_programs
-from fxkfac.planner.problem.perf_model import SYMBOLS, evaluate, explain, perf_model
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, ScheduleKind, schedule_programs
 from fxkfac.planner.problem.step_timeline import simulate
 
@@ -41,7 +41,7 @@ def test_step_time_and_bubble_per_device_match_the_simulation(kind, D, N, v, tf,
     for rank in timeline.ranks:
         assert evaluate(model.T_bubble, values) == pytest.approx(timeline.bubble_time(rank))
     if kind != "chimera" or tb >= tf:
-        critical = model.C_f * SYMBOLS["T_f"] + model.C_b * SYMBOLS["T_b"]
+        critical = model.C_f * PERF_SYMBOLS["T_f"] + model.C_b * PERF_SYMBOLS["T_b"]
         assert evaluate(critical, values) == pytest.approx(timeline.length)
 
 
@@ -85,7 +85,7 @@ def test_evaluate_names_missing_and_unknown_symbols() -> None:
 
 @pytest.mark.parametrize("kind", [k.value for k in ScheduleKind if k not in ZERO_BUBBLE_KINDS])
 def test_explain_prints_every_quantity(kind: str) -> None:
-    text = explain(kind)
+    text = explain_perf_model(kind)
     for name in ("T_pipe", "T_bubble", "M_pipe", "T_kfac", "M_kfac", "ratio", "C_f"):
         assert f"{name} = " in text
 
