@@ -89,8 +89,7 @@ def least_group_period(
     def probe(k: int, share: float) -> Solved:
         hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
         w = hint.window if hint is not None else window_of(k)
-        use = hint if config.use_greedy_hint else None
-        status, found = solve_window(w, config, share, meter, use, optimize=False, options=own_options(w))
+        status, found = solve_window(w, config, share, meter, hint, optimize=False, options=own_options(w))
         log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
         return status, found
 
@@ -226,8 +225,7 @@ def _least_stale(
     (kept where the solver does worse); OPTIMAL where proven and found's k and step are `proven`."""
     if found.staleness == 0:
         return replace(found, status="OPTIMAL" if proven else "FEASIBLE")
-    hint = found if config.use_greedy_hint or found.method != "greedy" else None
-    status, best = solve_window(w, config, left, meter, hint, options=options)
+    status, best = solve_window(w, config, left, meter, found, options=options)
     if best is None or found.staleness < best.staleness:
         best = found
     optimal = proven and (status == "OPTIMAL" or best.staleness == 0)
