@@ -27,7 +27,7 @@ from enum import StrEnum
 from functools import cached_property, lru_cache
 from typing import TypeVar
 
-from fxkfac.planner.problem.costs import LayerCost, PartCost
+from fxkfac.planner.problem.costs import PartCost
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.problem import (
     Problem,
@@ -187,10 +187,6 @@ class Window:
     def length(self) -> int:
         return self.offsets[-1]
 
-    @property
-    def tick(self) -> float:
-        return 1.0 / self.scale
-
     def seconds(self, ticks: float) -> float:
         return ticks / self.scale
 
@@ -313,7 +309,8 @@ class Window:
         for d in copies:
             kept = [x for x in deferred if keeps_statistics(d, copies, self.problem.where(x.name))]
             for op, _, end in self.steps[0].fixed(d):
-                for side in _parts_after(kept, taken[op.kind]) if op.stage == stage and op.kind in taken else ():
+                after = taken.get(op.kind) if op.stage == stage else None  # the parts this op's end captures
+                for side in dict.fromkeys(p.part for x in kept for p in x.parts if after and p.after is after):
                     for chunk in _chunks(kept, self.stats_chunk):
                         secs = tuple(x.part(side).stats for x in chunk)
                         ops = tuple(_stats_op(stage, op.mb, op.pipe, x.name, side) for x in chunk)
@@ -580,11 +577,6 @@ def build_window(
     return replace(
         w, fixed={d: x[0] for d, x in work.items()}, acts={d: x[1] for d, x in work.items()}, tasks=tasks, precs=precs
     )
-
-
-def _parts_after(layers: Iterable[LayerCost], kind: OpKind) -> list[str]:
-    """The parts of `layers` whose capture the end of a `kind` op (FWD or BWD) makes, in the layers' order."""
-    return list(dict.fromkeys(p.part for x in layers for p in x.parts if p.after is kind))
 
 
 @lru_cache(maxsize=1 << 16)

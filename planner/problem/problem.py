@@ -46,15 +46,11 @@ class Problem:
     fingerprint: str = ""
     max_period: int = 32
     distributions: tuple[tuple[str, LayerDistribution], ...] = ()
-    decomp_pieces: int = 1
-    """How many DECOMP ops each decomposition is cut into (Muon: its APPLY, `apply_pieces`)."""
-    warm_start: bool = False
-    """Whether each decomposition starts from its layer's newest preconditioner (`chains_refreshes`)."""
+    decomp_pieces: int = 1  # how many DECOMP ops each decomposition is cut into (Muon: its APPLY, `apply_pieces`)
+    warm_start: bool = False  # each decomposition starts from its layer's newest preconditioner
     barrier: StepBarrier = StepBarrier.WORLD
-    streaming: Streaming | None = None
-    """Layers whose APPLY a helper rank runs, fed during the owner's last backward."""
-    recompute: tuple[int, ...] = ()
-    """Stages that recompute their forward in their BWD (activation checkpointing), ascending."""
+    streaming: Streaming | None = None  # layers whose APPLY a helper rank runs, fed during the owner's last backward
+    recompute: tuple[int, ...] = ()  # stages recomputing their forward in their BWD, ascending
 
     def __post_init__(self) -> None:
         kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
@@ -258,25 +254,15 @@ class SolveProgress:
 class SolverConfig:
     """How hard the CP-SAT planner works."""
 
-    time_limit_s: float = 10.0
-    """Seconds of planning ([Note: deterministic budget] in planner/search/budget.py)."""
-    num_workers: int = 2
-    """CP-SAT threads when not deterministic (a deterministic search runs one)."""
-    seed: int = 0
-    """CP-SAT's random seed."""
-    deterministic: bool = True
-    """The same plan on any machine (deterministic time, one thread); False: wall-clock, `num_workers` threads."""
-    use_greedy_hint: bool = True
-    stats_chunk: int | None = None
-    """At most this many layers in one STATS task (None: by `max_stats_tasks`)."""
-    max_stats_tasks: int = 1536
-    """With `stats_chunk` None, a group's STATS tasks are per layer up to this many, chunked beyond."""
-    time_resolution: int = 100_000
-    """Ticks per step when times are not exact in a decimal unit (see `planner.plan.window`)."""
-    stretch: bool = True
-    """Let the step grow within `Problem.max_overhead` ([Note: stretch] in planner/plan/window.py)."""
-    progress: Callable[[SolveProgress], None] | None = field(default=None, compare=False)
-    """Called with every `SolveProgress` of every CP-SAT call; it only observes."""
+    time_limit_s: float = 10.0  # seconds of planning ([Note: deterministic budget] in planner/search/budget.py)
+    num_workers: int = 2  # CP-SAT threads when not deterministic (a deterministic search runs one)
+    seed: int = 0  # CP-SAT's random seed
+    deterministic: bool = True  # the same plan on any machine (deterministic time, one thread)
+    stats_chunk: int | None = None  # at most this many layers in one STATS task (None: by `max_stats_tasks`)
+    max_stats_tasks: int = 1536  # with stats_chunk None: STATS tasks per layer up to this many a group
+    time_resolution: int = 100_000  # ticks a step when times are not exact ([Note: time grid])
+    stretch: bool = True  # let the step grow within `Problem.max_overhead` ([Note: stretch] in planner/plan/window.py)
+    progress: Callable[[SolveProgress], None] | None = field(default=None, compare=False)  # sees every CP-SAT call
 
 
 @dataclass(frozen=True)

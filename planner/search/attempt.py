@@ -174,7 +174,7 @@ def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: fl
         lower_bound_steps=tuple(bound),
         solver=SolverStats(status, wall, objective, (sum(refresh) - sum(bound)) / max(1, sum(refresh))),
         greedy_refresh_steps=tuple(greedy_k),
-        time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols),
+        time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.seconds(1) for s in sols),
         stretch=max(s.window.seconds(s.window.stretch) for s in sols),
     )
     if problem.streaming is not None:

@@ -99,7 +99,7 @@ def fixed_shape(
         if greedy is None or greedy.window.k != k:
             return window_of(k), None
         hint = restretch(greedy, allowance.ticks(k))  # first-fit's placement in the probe's window
-        return hint.window, hint if config.use_greedy_hint else None
+        return hint.window, hint
 
     def narrow(found: GroupSolution, deadline: float) -> tuple[GroupSolution, bool]:
         if found.window.stretch <= 0:
@@ -255,8 +255,7 @@ def _least_stale(
     (kept where the solver does worse); OPTIMAL where proven and found's k and step are `proven`."""
     if found.staleness == 0:
         return replace(found, status="OPTIMAL" if proven else "FEASIBLE")
-    hint = found if config.use_greedy_hint or found.method != "greedy" else None
-    status, best = solve_window(w, config, left, meter, hint, options=options)
+    status, best = solve_window(w, config, left, meter, found, options=options)
     if best is None or found.staleness < best.staleness:
         best = found
     optimal = proven and (status == "OPTIMAL" or best.staleness == 0)
