@@ -208,7 +208,8 @@ class _Sim:
         link: Duration | None,
         buckets: Buckets,
     ) -> None:
-        self.duration, self.comm, self.lead, self.link, self.buckets = duration, comm, lead, link, buckets
+        self.duration, self.comm, self.link, self.buckets = duration, comm, link, buckets
+        self.lead = lead or (lambda rank, op: 0.0)
         self.filling: dict[tuple[int, frozenset[Op]], list[tuple[tuple, float]]] = {}
         self.link_free: dict[tuple[int, int], float] = {}
         self.ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in programs.items()}
@@ -229,75 +230,52 @@ class _Sim:
         self.sent: dict[tuple, deque[float]] = defaultdict(deque)  # arrivals of each message not yet received
         self.intervals: list[Interval] = []
 
-    def try_receive(self, rank: int, op: Op) -> str:
-        """Take the RECV's message once sent (its interval includes the wait); else what it waits for."""
-        arrivals = self.sent[_message_key(op.peer_rank, rank, op)]
-        if not arrivals:
-            return f"a matching send on rank {op.peer}"
-        start = self.free[rank]
-        self.record(rank, start, max(start, arrivals.popleft()) + self.duration(rank, op))
-        return ""
-
     def record(self, rank: int, start: float, end: float) -> None:
+        """Run the rank's next op from `start` to `end`; a SEND posts its message (a bucket's all leave together with
+        the last one's, a streamed one then holds its connection under `link` after those queued on it)."""
         step, op = self.ops[rank][self.pos[rank]]
         self.intervals.append(Interval(rank, step, op, start, end))
         self.free[rank] = end
-        if op.kind in SEND_KINDS:
-            early = self.lead(rank, op) if self.lead is not None else 0.0
-            self.send(rank, op, end + self.comm - early)
         self.pos[rank] += 1
-
-    def send(self, rank: int, op: Op, depart: float) -> None:
-        """Post `op`'s message, leaving at `depart`; a bucket's leave together with its last SEND's."""
-        key = _message_key(rank, op.peer_rank, op)
-        together = self.buckets.get((rank, op))
-        if together is None:
-            self.sent[key].append(self.arrival(rank, op, depart))
+        if op.kind not in SEND_KINDS:
             return
+        together = self.buckets.get((rank, op), frozenset({op}))
         filling = self.filling.setdefault((rank, together), [])
-        filling.append((key, depart))
-        if len(filling) == len(together):
-            del self.filling[rank, together]
-            arrival = self.arrival(rank, op, max(d for _, d in filling))
-            for k, _ in filling:
-                self.sent[k].append(arrival)
-
-    def arrival(self, rank: int, op: Op, depart: float) -> float:
-        """When a message leaving at `depart` arrives: a streamed one under `link` after those queued before it on the
-        same two ranks' connection, any other at once."""
-        if self.link is None or op.kind not in LAYER_SENDS:
-            return depart
-        pair = (rank, op.peer_rank)
-        start = max(depart, self.link_free.get(pair, depart))
-        self.link_free[pair] = start + self.link(rank, op)
-        return self.link_free[pair]
-
-    def try_collective(self, rank: int, op: Op) -> str:
-        """Run the collective if every member stands at the same occurrence; else what it waits for."""
-        key = self.keys[rank, self.pos[rank]]
-        members = self.groups[key[0]]
-        waiting = [m for m in members if self.keys.get((m, self.pos[m])) != key]
-        if waiting:
-            return f"ranks {waiting} to reach it"
-        start = max(self.free[m] for m in members)
-        end = start + max(self.duration(m, self.ops[m][self.pos[m]][1]) for m in members)
-        for m in members:
-            self.record(m, start, end)
-        return ""
+        filling.append((_message_key(rank, op.peer_rank, op), end + self.comm - self.lead(rank, op)))
+        if len(filling) < len(together):
+            return
+        del self.filling[rank, together]
+        arrival = max(depart for _, depart in filling)
+        if self.link is not None and op.kind in LAYER_SENDS:
+            pair = (rank, op.peer_rank)
+            self.link_free[pair] = max(arrival, self.link_free.get(pair, arrival)) + self.link(rank, op)
+            arrival = self.link_free[pair]
+        for key, _ in filling:
+            self.sent[key].append(arrival)
 
     def advance(self, rank: int) -> str:
-        """Run the rank's ops as far as inputs allow; returns what blocks it ('' when done)."""
+        """Run the rank's ops as far as inputs allow (a collective once every member stands at the same occurrence,
+        a RECV once its message is sent, its interval including the wait); returns what blocks it ('' when done)."""
         while self.pos[rank] < len(self.ops[rank]):
             step, op = self.ops[rank][self.pos[rank]]
-            blocked = ""
+            start = self.free[rank]
             if op.kind in SYNCHRONIZING_KINDS:
-                blocked = self.try_collective(rank, op)
+                key = self.keys[rank, self.pos[rank]]
+                members = self.groups[key[0]]
+                waiting = [m for m in members if self.keys.get((m, self.pos[m])) != key]
+                if waiting:
+                    return f"rank {rank}: {op} (step {step}) waits for ranks {waiting} to reach it"
+                start = max(self.free[m] for m in members)
+                end = start + max(self.duration(m, self.ops[m][self.pos[m]][1]) for m in members)
+                for m in members:
+                    self.record(m, start, end)
             elif op.kind in RECV_KINDS:
-                blocked = self.try_receive(rank, op)
+                arrivals = self.sent[_message_key(op.peer_rank, rank, op)]
+                if not arrivals:
+                    return f"rank {rank}: {op} (step {step}) waits for a matching send on rank {op.peer}"
+                self.record(rank, start, max(start, arrivals.popleft()) + self.duration(rank, op))
             else:
-                self.record(rank, self.free[rank], self.free[rank] + self.duration(rank, op))
-            if blocked:
-                return f"rank {rank}: {op} (step {step}) waits for {blocked}"
+                self.record(rank, start, start + self.duration(rank, op))
         return ""
 
 
@@ -389,11 +367,6 @@ def reference_programs(problem: Problem) -> dict[int, list[Op]]:
     return out
 
 
-def gradient_allreduce_seconds(problem: Problem, stage: int) -> float:
-    """Seconds of ALLREDUCE_GRAD(stage): the stage's gradients all-reduced over its copies (`CostTable.comm`)."""
-    return problem.costs.collective_seconds(Op(OpKind.ALLREDUCE_GRAD, stage), len(problem.holders[stage]))
-
-
 @dataclass(frozen=True)
 class StageComm:
     """Seconds of one stage's collectives over its `group` copies: ALLREDUCE_GRAD and BCAST_PREC (`share`) every step,
@@ -425,7 +398,8 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
             if len(workers) > 1:
                 bcast += price(Op(OpKind.BCAST, stage, layer=x.name, part=p.part, root=workers[0]), len(workers))
     share = max(sum(secs for op, secs in prec_work(problem, d, stage) if op.kind is OpKind.BCAST_PREC) for d in copies)
-    return StageComm(len(copies), gradient_allreduce_seconds(problem, stage), sync, bcast, share)
+    allreduce = price(Op(OpKind.ALLREDUCE_GRAD, stage), len(copies))
+    return StageComm(len(copies), allreduce, sync, bcast, share)
 
 
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: Buckets) -> Duration:
@@ -442,7 +416,10 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: B
         for s in stages
     ]
     bwd = [b + (fwd[s] if problem.recomputes(s) else 0.0) for s, b in enumerate(bwd)]  # the same forward again
-    allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
+    allreduce = [
+        problem.costs.collective_seconds(Op(OpKind.ALLREDUCE_GRAD, s), len(problem.holders[s]))
+        for s in range(len(stages))
+    ]
     by_stage = {OpKind.FWD: fwd, OpKind.BWD: bwd, OpKind.BWD_W: wgrad, OpKind.ALLREDUCE_GRAD: allreduce}
     per_step = {
         (d, op): secs
