@@ -167,9 +167,6 @@ class Timeline:
         return self.length - self.busy(rank, kinds)
 
 
-_Slot = tuple[int, int]  # (rank, index into that rank's flat op list)
-
-
 _MESSAGES = {
     OpKind.SEND_ACT: (OpKind.RECV_ACT, 1),
     OpKind.SEND_GRAD: (OpKind.RECV_GRAD, -1),
@@ -183,100 +180,6 @@ def _message_key(src: int, dst: int, op: Op) -> tuple:
     """Matches a SEND on src with the RECV on dst of the same tensor (a streamed layer's by stage and layer)."""
     recv, offset = _MESSAGES[op.kind]
     return (src, dst, recv, op.stage_id + offset, op.mb, op.pipe, op.layer)
-
-
-def _check_lowered(ops: Mapping[int, list[tuple[int, Op]]]) -> None:
-    """ValueError where activations pass between ranks with no SEND/RECV: `simulate` waits for messages alone."""
-    if any(op.kind in SEND_KINDS for items in ops.values() for _, op in items):
-        return
-    rank_of = {(op.stage, op.pipe): r for r, items in ops.items() for _, op in items if op.kind is OpKind.FWD}
-    if any(s is not None and rank_of.get((s + 1, p), r) != r for (s, p), r in rank_of.items()):
-        raise ValueError("the programs pass activations between ranks without SEND/RECV: lower them (add_send_recv)")
-
-
-class _Sim:
-    """One simulation's state: the unrolled programs, collectives' members, per-rank cursor and free time, messages."""
-
-    def __init__(
-        self,
-        programs: Mapping[int, Program],
-        steps: int,
-        duration: Duration,
-        comm: float,
-        barrier: Mapping[int, tuple[int, ...]] | None,
-        lead: Duration | None,
-        link: Duration | None,
-        buckets: Buckets,
-    ) -> None:
-        self.duration, self.comm, self.link, self.buckets = duration, comm, link, buckets
-        self.lead = lead or (lambda rank, op: 0.0)
-        self.filling: dict[tuple[int, frozenset[Op]], list[tuple[tuple, float]]] = {}
-        self.link_free: dict[tuple[int, int], float] = {}
-        self.ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in programs.items()}
-        _check_lowered(self.ops)
-        self.keys: dict[_Slot, tuple[Hashable, int]] = {}  # a synchronizing op's group and occurrence on its rank
-        members: dict[Hashable, set[int]] = defaultdict(set)
-        for r, ops in self.ops.items():
-            seen: Counter[Hashable] = Counter()
-            for i, (_, op) in enumerate(ops):
-                if op.kind in SYNCHRONIZING_KINDS:  # every member runs the same op, OPT_STEP of one agreement set
-                    group = (op, barrier[r]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
-                    self.keys[r, i] = (group, seen[group])
-                    seen[group] += 1
-                    members[group].add(r)
-        self.groups = {key: sorted(ranks) for key, ranks in members.items()}
-        self.pos = {r: 0 for r in self.ops}
-        self.free = {r: 0.0 for r in self.ops}
-        self.sent: dict[tuple, deque[float]] = defaultdict(deque)  # arrivals of each message not yet received
-        self.intervals: list[Interval] = []
-
-    def record(self, rank: int, start: float, end: float) -> None:
-        """Run the rank's next op from `start` to `end`; a SEND posts its message (a bucket's all leave together with
-        the last one's, a streamed one then holds its connection under `link` after those queued on it)."""
-        step, op = self.ops[rank][self.pos[rank]]
-        self.intervals.append(Interval(rank, step, op, start, end))
-        self.free[rank] = end
-        self.pos[rank] += 1
-        if op.kind not in SEND_KINDS:
-            return
-        together = self.buckets.get((rank, op), frozenset({op}))
-        filling = self.filling.setdefault((rank, together), [])
-        filling.append((_message_key(rank, op.peer_rank, op), end + self.comm - self.lead(rank, op)))
-        if len(filling) < len(together):
-            return
-        del self.filling[rank, together]
-        arrival = max(depart for _, depart in filling)
-        if self.link is not None and op.kind in LAYER_SENDS:
-            pair = (rank, op.peer_rank)
-            self.link_free[pair] = max(arrival, self.link_free.get(pair, arrival)) + self.link(rank, op)
-            arrival = self.link_free[pair]
-        for key, _ in filling:
-            self.sent[key].append(arrival)
-
-    def advance(self, rank: int) -> str:
-        """Run the rank's ops as far as inputs allow (a collective once every member stands at the same occurrence,
-        a RECV once its message is sent, its interval including the wait); returns what blocks it ('' when done)."""
-        while self.pos[rank] < len(self.ops[rank]):
-            step, op = self.ops[rank][self.pos[rank]]
-            start = self.free[rank]
-            if op.kind in SYNCHRONIZING_KINDS:
-                key = self.keys[rank, self.pos[rank]]
-                members = self.groups[key[0]]
-                waiting = [m for m in members if self.keys.get((m, self.pos[m])) != key]
-                if waiting:
-                    return f"rank {rank}: {op} (step {step}) waits for ranks {waiting} to reach it"
-                start = max(self.free[m] for m in members)
-                end = start + max(self.duration(m, self.ops[m][self.pos[m]][1]) for m in members)
-                for m in members:
-                    self.record(m, start, end)
-            elif op.kind in RECV_KINDS:
-                arrivals = self.sent[_message_key(op.peer_rank, rank, op)]
-                if not arrivals:
-                    return f"rank {rank}: {op} (step {step}) waits for a matching send on rank {op.peer}"
-                self.record(rank, start, max(start, arrivals.popleft()) + self.duration(rank, op))
-            else:
-                self.record(rank, start, start + self.duration(rank, op))
-        return ""
 
 
 def simulate(
@@ -297,16 +200,86 @@ def simulate(
     waits for, None: all). DeadlockError names the blocked ops."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    sim = _Sim(as_programs(programs), steps, duration, comm, barrier, lead, link, buckets or {})
+    ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in as_programs(programs).items()}
+    if not any(op.kind in SEND_KINDS for items in ops.values() for _, op in items):  # `simulate` waits for messages
+        rank_of = {(op.stage, op.pipe): r for r, items in ops.items() for _, op in items if op.kind is OpKind.FWD}
+        if any(s is not None and rank_of.get((s + 1, p), r) != r for (s, p), r in rank_of.items()):
+            raise ValueError(
+                "the programs pass activations between ranks without SEND/RECV: lower them (add_send_recv)"
+            )
+    keys: dict[tuple[int, int], tuple[Hashable, int]] = {}  # (rank, index) of a synchronizing op: group, occurrence
+    members: dict[Hashable, set[int]] = defaultdict(set)
+    for r, items in ops.items():
+        seen: Counter[Hashable] = Counter()
+        for i, (_, op) in enumerate(items):
+            if op.kind in SYNCHRONIZING_KINDS:  # every member runs the same op, OPT_STEP of one agreement set
+                group = (op, barrier[r]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
+                keys[r, i] = (group, seen[group])
+                seen[group] += 1
+                members[group].add(r)
+    groups = {key: sorted(ranks) for key, ranks in members.items()}
+    pos, free = dict.fromkeys(ops, 0), dict.fromkeys(ops, 0.0)
+    sent: dict[tuple, deque[float]] = defaultdict(deque)  # arrivals of each message not yet received
+    filling: dict[tuple[int, frozenset[Op]], list[tuple[tuple, float]]] = {}  # a bucket's messages posted so far
+    link_free: dict[tuple[int, int], float] = {}
+    intervals: list[Interval] = []
+
+    def record(rank: int, start: float, end: float) -> None:
+        """Run the rank's next op from `start` to `end`; a SEND posts its message (a bucket's all leave together with
+        the last one's, a streamed one then holds its connection under `link` after those queued on it)."""
+        step, op = ops[rank][pos[rank]]
+        intervals.append(Interval(rank, step, op, start, end))
+        free[rank] = end
+        pos[rank] += 1
+        if op.kind not in SEND_KINDS:
+            return
+        together = (buckets or {}).get((rank, op), frozenset({op}))
+        posted = filling.setdefault((rank, together), [])
+        posted.append((_message_key(rank, op.peer_rank, op), end + comm - (lead(rank, op) if lead else 0.0)))
+        if len(posted) < len(together):
+            return
+        del filling[rank, together]
+        arrival = max(depart for _, depart in posted)
+        if link is not None and op.kind in LAYER_SENDS:
+            pair = (rank, op.peer_rank)
+            link_free[pair] = max(arrival, link_free.get(pair, arrival)) + link(rank, op)
+            arrival = link_free[pair]
+        for key, _ in posted:
+            sent[key].append(arrival)
+
+    def advance(rank: int) -> str:
+        """Run the rank's ops as far as inputs allow (a collective once every member stands at the same occurrence,
+        a RECV once its message is sent, its interval including the wait); returns what blocks it ('' when done)."""
+        while pos[rank] < len(ops[rank]):
+            step, op = ops[rank][pos[rank]]
+            start = free[rank]
+            if op.kind in SYNCHRONIZING_KINDS:
+                key = keys[rank, pos[rank]]
+                together = groups[key[0]]
+                waiting = [m for m in together if keys.get((m, pos[m])) != key]
+                if waiting:
+                    return f"rank {rank}: {op} (step {step}) waits for ranks {waiting} to reach it"
+                start = max(free[m] for m in together)
+                end = start + max(duration(m, ops[m][pos[m]][1]) for m in together)
+                for m in together:
+                    record(m, start, end)
+            elif op.kind in RECV_KINDS:
+                arrivals = sent[_message_key(op.peer_rank, rank, op)]
+                if not arrivals:
+                    return f"rank {rank}: {op} (step {step}) waits for a matching send on rank {op.peer}"
+                record(rank, start, max(start, arrivals.popleft()) + duration(rank, op))
+            else:
+                record(rank, start, start + duration(rank, op))
+        return ""
+
     while True:
-        before = len(sim.intervals)
-        blocked = [msg for msg in (sim.advance(r) for r in sorted(sim.pos)) if msg]
+        before = len(intervals)
+        blocked = [msg for msg in (advance(r) for r in sorted(pos)) if msg]
         if not blocked:
             break
-        if len(sim.intervals) == before:
+        if len(intervals) == before:
             raise DeadlockError("programs deadlock:\n  " + "\n  ".join(blocked))
-    intervals = tuple(sorted(sim.intervals, key=lambda iv: (iv.start, iv.rank)))
-    return Timeline(intervals, tuple(sorted(sim.pos)), steps)
+    return Timeline(tuple(sorted(intervals, key=lambda iv: (iv.start, iv.rank))), tuple(sorted(pos)), steps)
 
 
 @lru_cache(maxsize=64)
