@@ -18,9 +18,8 @@ T = TypeVar("T")
 
 
 class OpKind(StrEnum):
-    """What one instruction of a rank's program does. BWD_W ("W", zero-bubble schedules) is the weight-gradient half
-    of its step's BWD of the same (stage, mb, pipe); naming a layer ("W s0 m1 fc"), that layer's alone
-    (docs/ZERO_BUBBLE.md), else every layer's not yet computed."""
+    """What one instruction of a rank's program does. BWD_W ("W") is the weight-gradient half of the BWD of its (stage,
+    mb, pipe); naming a layer ("W s0 m1 fc"), that layer's alone (docs/ZERO_BUBBLE.md), else every layer's left."""
 
     FWD = "FWD"
     BWD = "BWD"
@@ -100,9 +99,8 @@ _FIELDS_OF = {
     **dict.fromkeys(LAYER_TRANSFER_KINDS, ("stage peer layer", "")),
 }
 OP_FIELDS = {kind: (frozenset(need.split()), frozenset(may.split())) for kind, (need, may) in _FIELDS_OF.items()}
-"""The fields each kind of op must have and may have. Without `layer` (`part`) a preconditioner's op covers every
-layer (part) of its stage; `group`: the ranks a broadcast reaches (all copies when absent); `piece` (i, n): piece i of
-a DECOMP in n, or of a Muon APPLY's Newton-Schulz iterations. An APPLY of a stage the rank does not hold is streamed."""
+"""The fields each kind of op must and may have. Without `layer` (`part`) an op covers every layer (part) of its stage,
+without `group` every copy; `piece` (i, n): piece i of n of a DECOMP or of a Muon APPLY's Newton-Schulz iterations."""
 _RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")
 
 
@@ -223,8 +221,7 @@ class Op:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one preconditioner op runs: `device`, window step `step` (0..2k-1), `start` to `end` seconds after the
-    refresh step began."""
+    """Where one preconditioner op runs: `device`, window step `step` (0..2k-1), seconds after the refresh step began"""
 
     op: Op
     device: int

@@ -195,18 +195,16 @@ def naive_programs(
     seconds: Mapping[Decomposition, float] | None = None,
     distributions: Mapping[str, LayerDistribution] | None = None,
 ) -> Programs:
-    """The preconditioner on the critical path (PipeFisher's "naive K-FAC", "K-FAC+skip" at period k): the plain
-    pipeline with curvature after each BWD of a refreshing layer and the tail before OPT_STEP, one step per step of the
-    periods' lcm (no timings: the plain pipeline); every refresh ends in its step, so no start-up steps."""
+    """The preconditioner on the critical path (PipeFisher's "naive K-FAC", "K-FAC+skip" at period k): curvature after
+    each refreshing layer's BWD and the tail before OPT_STEP, one step per step of the periods' lcm (none: plain)."""
     holders = ranks_of_stages(kind, D, W, v)
     period = math.lcm(*(t.period for t in timings.values())) if timings else 1
     where = {n: (distributions or {}).get(n, LayerDistribution()) for names in stage_layers.values() for n in names}
     captured = [side for side in parts if side not in gradient_parts]
 
     def tail(rank: int, copies: Mapping[int, int], step: int) -> list[Op]:
-        """What `rank` (holding stage: pipe `copies`) runs before OPT_STEP: gradient STATS, SYNC_STATS (none of local
-        factors), DECOMPs dealt by `assignment` over each layer's grad workers, BCASTs, APPLYs and BCAST_PRECs, each
-        collective in (stage, layer, part) order on every member so that none waits on another."""
+        """What `rank` (holding stage: pipe `copies`) runs before OPT_STEP: gradient STATS, SYNC_STATS, DECOMPs dealt by
+        `assignment`, BCASTs, APPLYs, BCAST_PRECs; collectives in (stage, layer, part) order on every member."""
         out: list[Op] = []
         for s in sorted(copies):
             ranks, layers = holders[s], stage_layers[s]
@@ -276,8 +274,7 @@ def startup_programs(programs: Mapping[int, Program], born: Mapping[int, Mapping
 
 @dataclass(frozen=True)
 class Streaming:
-    """Layers of `stage` in the order its owners' backward makes their gradients final, and the helper rank that
-    preconditions each."""
+    """Layers of `stage` in the order its owners' backward makes their gradients final, and each one's helper rank."""
 
     stage: int
     helpers: tuple[int, ...]
@@ -362,9 +359,8 @@ def _before_step_end(ops: list[Op], extra: Sequence[Op]) -> list[Op]:
 def stream_step(
     ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: Sequence[int], pieces: int = 1
 ) -> dict[int, list[Op]]:
-    """One step's programs with the streamed layers handed over: each owner sends each layer's gradient after its
-    last BWD and takes it back before OPT_STEP; each helper, before its OPT_STEP, receives a layer from every owner,
-    applies it (`pieces` pieces) and returns it, layer by layer."""
+    """One step's programs with the streamed layers handed over: each owner sends its gradient after its last BWD and
+    takes it back before OPT_STEP; before its own OPT_STEP the helper receives, applies and returns it, by layer."""
     s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
     out = {rank: list(body) for rank, body in ops.items()}
     for owner in owners:
@@ -416,9 +412,8 @@ def replica_born(streaming: Streaming, owner: int, made: Made) -> dict[int, dict
 
 
 def add_replicas(programs: Mapping[int, Program], streaming: Streaming, owner: int, made: Made) -> dict[int, Program]:
-    """The period programs with each streamed layer's replica transfers: SEND_REPLICA after the op of `made` on
-    `owner`, RECV_REPLICA in that step on the helper (unrolled to both periods' lcm), before its first RECV_LGRAD of
-    the layer when the refresh is used in that step, else before its OPT_STEP."""
+    """The programs with each streamed layer's replica: SEND_REPLICA after its `made` op on `owner`, RECV_REPLICA in
+    that step on the helper (periods' lcm), before the layer's RECV_LGRAD if used in that step, else before OPT_STEP."""
     s = streaming.stage
     out = {rank: [list(step) for step in body] for rank, body in programs.items()}
     k_owner = len(out[owner])

@@ -1,6 +1,5 @@
-"""Event simulation of per-rank programs (`simulate`), one simulated step of a problem (`step_timeline`: the
-reference step, its collectives and bubbles), and a problem's memory (held all step, activations in flight, peaks).
-"""
+"""Event simulation of per-rank programs (`simulate`), a problem's simulated step (`step_timeline`: the reference
+step, its collectives and bubbles), and its memory (held all step, activations in flight, peaks)."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ class Interval:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Every op's interval (of a simulation, one simulated step, a plan's view or a measured run); measures of the
-    whole run and per rank."""
+    """Every op's interval (of a simulation, a plan's view or a measured run) and their measures, whole or per rank."""
 
     intervals: tuple[Interval, ...]
     ranks: tuple[int, ...]
@@ -89,16 +87,6 @@ class Timeline:
     def length(self) -> float:
         """End of the last op (the run starts at 0): one step's step time."""
         return max((iv.end for iv in self.intervals), default=0.0)
-
-    @property
-    def step_time(self) -> float:
-        """Steady-state period: the lowest rank's last step start less the one before (steps=1: the length)."""
-        if self.steps == 1:
-            return self.length
-        first: dict[int, float] = {}
-        for iv in self.of_rank(self.ranks[0]):
-            first.setdefault(iv.step, iv.start)
-        return first[self.steps - 1] - first[self.steps - 2]
 
     @cached_property
     def ops(self) -> Mapping[int, tuple[tuple[Op, float, float], ...]]:
@@ -162,10 +150,6 @@ class Timeline:
             gaps.append((cursor, self.length))
         return gaps
 
-    def bubble_time(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> float:
-        """Total idle time of the rank (the sum of its bubbles: its ops run one at a time)."""
-        return self.length - self.busy(rank, kinds)
-
 
 _MESSAGES = {
     OpKind.SEND_ACT: (OpKind.RECV_ACT, 1),
@@ -193,11 +177,9 @@ def simulate(
     link: Duration | None = None,
     buckets: Buckets | None = None,
 ) -> Timeline:
-    """Run `programs` (per rank one step's ops or a period) for `steps` steps, each op when its rank is free and its
-    inputs are there: a RECV its SEND's message (`comm` later; `lead`: seconds it leaves early; `link`: seconds a
-    streamed one holds its connection; `buckets`: SENDs sent as one); the programs carry their transfers
-    (`add_send_recv`). `SYNCHRONIZING_KINDS` start together on their members (`barrier`: the ranks each OPT_STEP
-    waits for, None: all). DeadlockError names the blocked ops."""
+    """Run lowered `programs` (per rank a step or a period) `steps` steps, each op once its rank is free and its inputs
+    are there: a RECV its message (`comm` later, `lead` s early, a streamed one `link` s on its connection, `buckets`
+    sent as one); `SYNCHRONIZING_KINDS` together (OPT_STEP over `barrier`, None: all). DeadlockError when stuck."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in as_programs(programs).items()}
@@ -376,10 +358,8 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
 
 
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: Buckets) -> Duration:
-    """Op durations in seconds of the reference programs: F/B (a refresh step's with taps and fused curvature, a
-    recomputing BWD with its FWD, a zero-bubble BWD less its W), collectives, per-step work (`prec_work`, a helper's
-    streamed APPLY), a streamed hand-off and the CPU of a streamed transfer (`CostTable.message_cpu`, a bucket's fixed
-    cost split among its units: `buckets`); other transfers and OPT_STEP none."""
+    """Op seconds of the reference programs: F/B (a refresh step's with taps and fused curvature, a recomputing BWD with
+    its FWD, a split BWD less its W), collectives, `prec_work`, streamed APPLYs and transfers' CPU (over `buckets`)."""
     stages = problem.costs.stages
     fwd = [s.fwd + (s.tap_fwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.FWD) for s in stages]
     split = problem.kind in ZERO_BUBBLE_KINDS
@@ -644,8 +624,7 @@ def static_bytes(problem: Problem, device: int) -> int:
 
 
 def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistribution) -> tuple[int, int]:
-    """(bytes `device` keeps of `layer` under `where`: statistics, two decompositions (active and next) and state;
-    its BCAST_PREC buffer)."""
+    """(bytes `device` keeps of `layer` under `where`: statistics, two decompositions, state; its BCAST_PREC buffer)."""
     x = problem.costs.layer(layer)
     copies = problem.holders[problem.costs.stage_of(layer)]
     held = holding(device, copies, where, all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts))
