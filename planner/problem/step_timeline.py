@@ -289,9 +289,8 @@ def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float
         for op, secs in gradient_stats(cost, stage)
         if op.layer is not None and device in problem.workers(op.layer) and not streamed_stats(problem, op.layer)
     ]
-    names, streaming = [x.name for x in cost.layers], problem.streaming
+    names, streaming, pieces = [x.name for x in cost.layers], problem.streaming, problem.apply_pieces
     shares: list[Op] = []
-    pieces = problem.apply_pieces
     if streaming is not None and streaming.stage == stage:  # the helper applies the streamed layers
         kept = [Op(OpKind.APPLY, stage, layer=n) for n in names if n not in streaming.layers]
         applies = [piece for op in kept for piece in cut_apply(op, pieces)]
