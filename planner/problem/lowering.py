@@ -209,13 +209,6 @@ def naive_programs(
         for s in sorted(copies):
             ranks, layers = holders[s], stage_layers[s]
             workers = {n: grad_workers(ranks, where[n]) for n in layers}
-            out += [
-                Op(OpKind.STATS, s, part=p, layer=n)
-                for n in layers
-                if rank in workers[n]
-                for p in parts
-                if p in gradient_parts
-            ]
             names = refreshing(timings, layers, step)
             by_column: dict[tuple[int, ...], list[Decomposition]] = {}  # each decomposition dealt over its workers
             for n in names:
@@ -225,22 +218,24 @@ def naive_programs(
                 for col, ds in by_column.items()
                 for d, r in assign_decompositions(ds, col, assignment, seconds).items()
             }
-            if len(ranks) > 1 and captured:  # the holders average what they captured, but DP-KFAC's local factors
-                sides: Sequence[str | None] = captured if gradient_parts else [None]  # one per captured part, or layer
-                averaged = [n for n in names if not where[n].strategy.local_factors]
-                out += [Op(OpKind.SYNC_STATS, s, part=side, layer=n) for n in averaged for side in sides]
-            out += [Op(OpKind.DECOMP, s, part=side, layer=n) for n in names for side in parts if roots[n, side] == rank]
-            groups = {n: None if w == ranks else w for n, w in workers.items()}  # None: every holder
-            out += [  # each decomposition from its root to the layer's other grad workers
-                Op(OpKind.BCAST, s, part=side, root=roots[n, side], layer=n, group=groups[n])
-                for n in names
-                if len(workers[n]) > 1 and rank in workers[n]
-                for side in parts
-            ]
+            sides: Sequence[str | None] = (
+                captured if gradient_parts else [None]
+            )  # SYNC_STATS per captured part, or layer
+            for n in layers:
+                mine = rank in workers[n]
+                out += [Op(OpKind.STATS, s, part=p, layer=n) for p in parts if mine and p in gradient_parts]
+                if n not in names:
+                    continue
+                if len(ranks) > 1 and captured and not where[n].strategy.local_factors:  # averaged, but local factors
+                    out += [Op(OpKind.SYNC_STATS, s, part=side, layer=n) for side in sides]
+                out += [Op(OpKind.DECOMP, s, part=p, layer=n) for p in parts if roots[n, p] == rank]
+                if mine and len(workers[n]) > 1:  # each decomposition from its root to the layer's other grad workers
+                    group = None if workers[n] == ranks else workers[n]  # None: every holder
+                    out += [Op(OpKind.BCAST, s, part=p, root=roots[n, p], layer=n, group=group) for p in parts]
             applies, shared = step_applies(rank, s, layers, ranks, where, pipe=copies[s])
             out += applies + shared
         order = [OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY, OpKind.BCAST_PREC]
-        return sorted(out, key=lambda op: order.index(op.kind))  # stable: by kind, then stage by stage
+        return sorted(out, key=lambda op: order.index(op.kind))  # stable: by kind, then stage, layer and part
 
     def with_prec(ops: Sequence[Op], rank: int, step: int) -> list[Op]:
         copies = {op.stage: op.pipe for op in ops if op.kind is OpKind.FWD and op.stage is not None}
