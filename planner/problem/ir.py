@@ -339,9 +339,7 @@ NS_STEPS = 5
 
 def piece_iterations(piece: tuple[int, int] | None, ns_steps: int = NS_STEPS) -> range:
     """The iterations piece (i, n) of a matrix's APPLY runs: [i*S//n, (i+1)*S//n) of S = ns_steps (all: None)."""
-    if piece is None:
-        return range(ns_steps)
-    i, n = piece
+    i, n = piece or (0, 1)
     return range(i * ns_steps // n, (i + 1) * ns_steps // n)
 
 

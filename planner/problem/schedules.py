@@ -138,9 +138,7 @@ def _steady_rank(D: int, v: int, r: int, total: int, warmup: int, w_lag: int | N
         ops.append(unit(j, OpKind.BWD))
         if w_lag is not None and j >= w_lag:
             ops.append(unit(j - w_lag, OpKind.BWD_W))
-    if w_lag is None:
-        return ops
-    return ops + [unit(j, OpKind.BWD_W) for j in range(max(total - w_lag, 0), total)]
+    return ops if w_lag is None else ops + [unit(j, OpKind.BWD_W) for j in range(max(total - w_lag, 0), total)]
 
 
 def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:

@@ -282,8 +282,7 @@ def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
 
 def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float]]:
     """The per-step preconditioner work of `stage` on `device` with seconds: gradient STATS, APPLYs, BCAST_PRECs."""
-    copies = problem.holders[stage]
-    cost = problem.costs.stages[stage]
+    copies, cost = problem.holders[stage], problem.costs.stages[stage]
     work = [
         (op, secs)
         for op, secs in gradient_stats(cost, stage)
@@ -550,8 +549,7 @@ def fused_stats(problem: Problem, fused: frozenset[str], rank: int, bwd: Op) -> 
         for x in problem.costs.stages[bwd.stage_id].layers
         if x.name in fused and w_makes(bwd, x.name)
     }
-    where = {name: problem.where(name) for name in parts}
-    return capture_stats(bwd, rank, parts, problem.holders[bwd.stage_id], where)
+    return capture_stats(bwd, rank, parts, problem.holders[bwd.stage_id], dict(problem.distributions))
 
 
 def fused_extra(problem: Problem, fused: frozenset[str]) -> float:
