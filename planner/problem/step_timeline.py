@@ -38,15 +38,12 @@ from fxkfac.planner.problem.problem import (
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
 from fxkfac.planner.problem.strategy import LayerDistribution, holding, keeps_statistics
 
-COMPUTE_KINDS = frozenset(
-    {OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP}
-)
+_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
+COMPUTE_KINDS = _FIXED_KINDS | {OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP}
 """What counts as busy by default: work on the device, not waiting and not communication."""
 
 BUSY_KINDS = COMPUTE_KINDS - {OpKind.OPT_STEP}
 """What a plan's utilization counts as busy, planned and measured: F/B and the preconditioner's own work."""
-
-_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
 _NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
 """Ops besides F/B during which a window places no preconditioner work (planner/plan/window.py)."""
 
