@@ -355,20 +355,16 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: Buckets) -> Duration:
     """Op seconds of the reference programs: F/B (a refresh step's with taps and fused curvature, a recomputing BWD with
     its FWD, a split BWD less its W), collectives, `prec_work`, streamed APPLYs and transfers' CPU (over `buckets`)."""
-    stages = problem.costs.stages
-    fwd = [s.fwd + (s.tap_fwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.FWD) for s in stages]
     split = problem.kind in ZERO_BUBBLE_KINDS
-    wgrad = [s.weight_grad + s.fused_curvature(fused, OpKind.BWD) if split else 0.0 for s in stages]
-    bwd = [
-        s.bwd + (s.tap_bwd if refresh else 0.0) + (-s.weight_grad if split else s.fused_curvature(fused, OpKind.BWD))
-        for s in stages
-    ]
-    bwd = [b + (fwd[s] if problem.recomputes(s) else 0.0) for s, b in enumerate(bwd)]  # the same forward again
-    allreduce = [
-        problem.costs.collective_seconds(Op(OpKind.ALLREDUCE_GRAD, s), len(problem.holders[s]))
-        for s in range(len(stages))
-    ]
-    by_stage = {OpKind.FWD: fwd, OpKind.BWD: bwd, OpKind.BWD_W: wgrad, OpKind.ALLREDUCE_GRAD: allreduce}
+    by_stage: dict[tuple[OpKind, int | None], float] = {}  # F, B, W and the gradients' all-reduce by stage
+    for i, s in enumerate(problem.costs.stages):
+        late = s.fused_curvature(fused, OpKind.BWD)  # the output-gradient curvature, with the W where one splits off
+        fwd = s.fwd + (s.tap_fwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.FWD)
+        bwd = s.bwd + (s.tap_bwd if refresh else 0.0) + (-s.weight_grad if split else late)
+        by_stage[OpKind.FWD, i], by_stage[OpKind.BWD_W, i] = fwd, s.weight_grad + late if split else 0.0
+        by_stage[OpKind.BWD, i] = bwd + (fwd if problem.recomputes(i) else 0.0)  # recomputing: the forward again
+        allreduce = Op(OpKind.ALLREDUCE_GRAD, i)
+        by_stage[OpKind.ALLREDUCE_GRAD, i] = problem.costs.collective_seconds(allreduce, len(problem.holders[i]))
     per_step = {
         (d, op): secs
         for d in problem.devices
@@ -377,8 +373,8 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: B
     }
 
     def duration(rank: int, op: Op) -> float:
-        if op.kind in by_stage and op.stage is not None:
-            return by_stage[op.kind][op.stage]
+        if (op.kind, op.stage) in by_stage:
+            return by_stage[op.kind, op.stage]
         if (rank, op) in per_step:
             return per_step[rank, op]
         if op.kind is OpKind.APPLY:
