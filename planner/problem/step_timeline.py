@@ -348,8 +348,7 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
             if len(workers) > 1:
                 bcast += price(Op(OpKind.BCAST, stage, layer=x.name, part=p.part, root=workers[0]), len(workers))
     share = max(sum(secs for op, secs in prec_work(problem, d, stage) if op.kind is OpKind.BCAST_PREC) for d in copies)
-    allreduce = price(Op(OpKind.ALLREDUCE_GRAD, stage), len(copies))
-    return StageComm(len(copies), allreduce, sync, bcast, share)
+    return StageComm(len(copies), price(Op(OpKind.ALLREDUCE_GRAD, stage), len(copies)), sync, bcast, share)
 
 
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: Buckets) -> Duration:
