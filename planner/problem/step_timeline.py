@@ -131,8 +131,7 @@ class Timeline:
     ) -> float:
         """`utilization` of one rank (None: all) over `window` (default: the length)."""
         ranks = self.ranks if rank is None else (rank,)
-        span = self.length if window is None else window[1] - window[0]
-        clip = (-math.inf, math.inf) if window is None else window
+        span, clip = (self.length, (-math.inf, math.inf)) if window is None else (window[1] - window[0], window)
         return utilization(sum(self.busy(r, kinds, clip) for r in ranks), span * len(ranks))
 
     def bubbles(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> list[tuple[float, float]]:
