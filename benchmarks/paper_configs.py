@@ -141,7 +141,7 @@ def lower_bounds(cfg: Config, costs: CostTable, base: Timeline) -> list[int]:
     bounds = []
     for r in base.ranks:
         work = sum(cfg.N / copies[s] * costs.stages[s].curv + costs.stages[s].inv / copies[s] for s, _ in held[r])
-        bounds.append(max(1, math.ceil(work / base.bubble_time(r) - 1e-9)))
+        bounds.append(max(1, math.ceil(work / (base.length - base.busy(r)) - 1e-9)))
     return bounds
 
 
@@ -160,7 +160,7 @@ def baseline(cfg: Config, source: str = PAPER_COSTS) -> dict[str, Any]:
         "N": cfg.N,
         "v": cfg.v,
         "utilization_baseline": base.utilization(),
-        "step_time_baseline_ms": base.step_time * 1e3,
+        "step_time_baseline_ms": base.length * 1e3,
         "prec_per_step_ms": prec * 1e3,
         "lower_bound_per_device": lower_bounds(cfg, costs, base),
         "paper": PAPER[(cfg.model, cfg.schedule)],

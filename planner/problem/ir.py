@@ -18,9 +18,8 @@ T = TypeVar("T")
 
 
 class OpKind(StrEnum):
-    """What one instruction of a rank's program does. BWD_W ("W", zero-bubble schedules) is the weight-gradient half
-    of its step's BWD of the same (stage, mb, pipe); naming a layer ("W s0 m1 fc"), that layer's alone
-    (docs/ZERO_BUBBLE.md), else every layer's not yet computed."""
+    """What one instruction of a rank's program does. BWD_W ("W") is the weight-gradient half of the BWD of its (stage,
+    mb, pipe); naming a layer ("W s0 m1 fc"), that layer's alone (docs/ZERO_BUBBLE.md), else every layer's left."""
 
     FWD = "FWD"
     BWD = "BWD"
@@ -72,63 +71,42 @@ PRECONDITIONER_KINDS = frozenset(
 
 _SHORT = {OpKind.FWD: "F", OpKind.BWD: "B", OpKind.BWD_W: "W"}
 _BY_NAME = {**{k.value: k for k in OpKind}, **{v: k for k, v in _SHORT.items()}}
-_STAGE, _MB, _PIPE, _LAYER, _PART, _PIECE = "stage", "mb", "pipe", "layer", "part", "piece"
-_PEER, _ROOT, _GROUP = "peer", "root", "group"
 _FIELD_TOKENS = (
-    (_STAGE, re.compile(r"s\d+"), "s{}"),
-    (_MB, re.compile(r"m\d+"), "m{}"),
-    (_PIPE, re.compile(r"p\d+"), "p{}"),
-    (_PART, re.compile(r"[A-Z]"), "{}"),
-    (_PIECE, re.compile(r"\d+/\d+"), "{}/{}"),
-    (_PEER, re.compile(r"[<>]r\d+"), "{to}r{}"),
-    (_ROOT, re.compile(r"@r\d+"), "@r{}"),
-    (_GROUP, re.compile(r"\{\d+(?:,\d+)*\}"), "{{{}}}"),
+    ("stage", re.compile(r"s\d+"), "s{}"),
+    ("mb", re.compile(r"m\d+"), "m{}"),
+    ("pipe", re.compile(r"p\d+"), "p{}"),
+    ("part", re.compile(r"[A-Z]"), "{}"),
+    ("piece", re.compile(r"\d+/\d+"), "{}/{}"),
+    ("peer", re.compile(r"[<>]r\d+"), "{to}r{}"),
+    ("root", re.compile(r"@r\d+"), "@r{}"),
+    ("group", re.compile(r"\{\d+(?:,\d+)*\}"), "{{{}}}"),
 )
 """Each structured token of an op's text: its field, pattern and template, in the order `str(op)` writes them (the
 layer name comes last; a transfer's peer is written ">rN" to send to, "<rN" to receive from)."""
 
-OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
-    # kind: (required, also allowed)
-    OpKind.FWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
-    OpKind.BWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
-    OpKind.BWD_W: (frozenset({_STAGE, _MB}), frozenset({_PIPE, _LAYER})),
-    **{
-        k: (frozenset({_STAGE, _MB, _PEER}), frozenset({_PIPE}))
-        for k in (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)
-    },
-    OpKind.ALLREDUCE_GRAD: (frozenset(), frozenset({_STAGE})),
-    OpKind.STATS: (frozenset({_STAGE}), frozenset({_MB, _PIPE, _LAYER, _PART})),
-    OpKind.SYNC_STATS: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
-    OpKind.DECOMP: (frozenset({_STAGE}), frozenset({_LAYER, _PART, _PIECE})),
-    OpKind.BCAST: (frozenset({_STAGE, _ROOT}), frozenset({_LAYER, _PART, _GROUP})),
-    OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE, _LAYER, _PIECE})),
-    OpKind.BCAST_PREC: (frozenset({_STAGE, _ROOT, _LAYER}), frozenset({_GROUP})),
-    OpKind.OPT_STEP: (frozenset(), frozenset()),
-    **{k: (frozenset({_STAGE, _PEER, _LAYER}), frozenset()) for k in LAYER_TRANSFER_KINDS},
+_FIELDS_OF = {
+    **dict.fromkeys((OpKind.FWD, OpKind.BWD), ("stage mb", "pipe")),
+    OpKind.BWD_W: ("stage mb", "pipe layer"),
+    **dict.fromkeys((OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD), ("stage mb peer", "pipe")),
+    OpKind.ALLREDUCE_GRAD: ("", "stage"),
+    OpKind.STATS: ("stage", "mb pipe layer part"),
+    OpKind.SYNC_STATS: ("stage", "layer part"),
+    OpKind.DECOMP: ("stage", "layer part piece"),
+    OpKind.BCAST: ("stage root", "layer part group"),
+    OpKind.APPLY: ("stage", "pipe layer piece"),
+    OpKind.BCAST_PREC: ("stage root layer", "group"),
+    OpKind.OPT_STEP: ("", ""),
+    **dict.fromkeys(LAYER_TRANSFER_KINDS, ("stage peer layer", "")),
 }
-"""The fields each kind of op must have and may have. A preconditioner's op covers every layer (part) of the stage
-without `layer` (`part`); STATS names a micro-batch where a capture feeds the part; `group`: the ranks a broadcast
-reaches (all copies when absent); `piece` (i, n): piece i of a DECOMP in n, or of a Muon APPLY's Newton-Schulz
-iterations (in order on one rank). An APPLY of a stage the rank does not hold is a streamed layer's."""
+OP_FIELDS = {kind: (frozenset(need.split()), frozenset(may.split())) for kind, (need, may) in _FIELDS_OF.items()}
+"""The fields each kind of op must and may have. Without `layer` (`part`) an op covers every layer (part) of its stage,
+without `group` every copy; `piece` (i, n): piece i of n of a DECOMP or of a Muon APPLY's Newton-Schulz iterations."""
 _RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")
 
 
-def _layer_text(layer: str) -> str:
-    """A layer name as one token: raw when unambiguous, else JSON-quoted."""
-    looks_like_field = any(pattern.fullmatch(layer) for _, pattern, _ in _FIELD_TOKENS)
-    if _RAW_LAYER.fullmatch(layer) and not looks_like_field:
-        return layer
-    return json.dumps(layer)
-
-
-def _peer_prefix(kind: OpKind) -> str:
-    """How a transfer writes its peer: ">rN" to send to, "<rN" to receive from."""
-    return ">" if kind in SEND_KINDS else "<"
-
-
 class _Named(Generic[T]):
-    """A typed accessor of an optional field of an op (`Op.stage_id` of `stage`, ...) for uses that need it: the
-    value, or PlanFormatError where the op names none (a preconditioner's op may cover every layer, part)."""
+    """A typed accessor of an optional field of an op (`Op.stage_id` of `stage`, ...): the value, or PlanFormatError
+    where the op names none (a preconditioner's op may cover every layer, part)."""
 
     def __init__(self, field: str) -> None:
         self.field = field
@@ -143,8 +121,7 @@ class _Named(Generic[T]):
 @dataclass(frozen=True, slots=True)
 class Op:
     """One instruction: `kind` on global (virtual) `stage`, micro-batch `mb` of pipeline `pipe`, with the fields
-    `OP_FIELDS` allows; `str(op)` is compact ("F s1 m0", "SEND_ACT s1 m0 >r2", "BCAST s1 A @r2 layer") and
-    `Op.parse(str(op)) == op`."""
+    `OP_FIELDS` allows; `str(op)` is compact ("F s1 m0", "BCAST s1 A @r2 layer") and `Op.parse(str(op)) == op`."""
 
     kind: OpKind
     stage: int | None = None
@@ -160,24 +137,31 @@ class Op:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, OpKind):
             object.__setattr__(self, "kind", OpKind(self.kind))
-        for name in (_STAGE, _MB, _PEER, _ROOT):
+        for name in ("stage", "mb", "peer", "root", "pipe"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise PlanFormatError(f"Op.{name} must be a non-negative int or None, got {value!r}")
-        if not isinstance(self.pipe, int) or self.pipe < 0:
-            raise PlanFormatError(f"Op.pipe must be a non-negative int, got {self.pipe!r}")
+            if (value is not None or name == "pipe") and (not isinstance(value, int) or value < 0):
+                none = "" if name == "pipe" else " or None"
+                raise PlanFormatError(f"Op.{name} must be a non-negative int{none}, got {value!r}")
         if self.part is not None and not (isinstance(self.part, str) and re.fullmatch("[A-Z]", self.part)):
             raise PlanFormatError(f"Op.part must be one capital letter or None, got {self.part!r}")
         if self.layer is not None and (not isinstance(self.layer, str) or not self.layer):
             raise PlanFormatError(f"Op.layer must be a non-empty str or None, got {self.layer!r}")
         if self.group is not None:
-            object.__setattr__(self, "group", _check_group(self.group, self.root))
+            group = tuple(self.group) if isinstance(self.group, (tuple, list)) else ()
+            ranks = all(isinstance(r, int) and r >= 0 for r in group) and list(group) == sorted(set(group))
+            if len(group) < 2 or not ranks or (self.root is not None and self.root not in group):
+                raise PlanFormatError(
+                    f"Op.group must be two or more ascending distinct ranks holding the root {self.root}, "
+                    f"got {self.group!r}"
+                )
+            object.__setattr__(self, "group", group)
         if self.piece is not None:
-            object.__setattr__(self, "piece", _check_piece(self.piece))
+            i, n = self.piece if isinstance(self.piece, (tuple, list)) and len(self.piece) == 2 else (None, None)
+            if not (isinstance(i, int) and isinstance(n, int) and 0 <= i < n and n >= 2):
+                raise PlanFormatError(f"Op.piece must be (i, n) with 0 <= i < n and n >= 2, got {self.piece!r}")
+            object.__setattr__(self, "piece", (i, n))
         required, allowed = OP_FIELDS[self.kind]
-        present = {
-            name for name in (_STAGE, _MB, _PIPE, _LAYER, _PART, _PIECE, _PEER, _ROOT, _GROUP) if self._has(name)
-        }
+        present = {name for name in (*(name for name, _, _ in _FIELD_TOKENS), "layer") if self._has(name)}
         if not required <= present or not present <= required | allowed:
             raise PlanFormatError(
                 f"{self.kind.value} needs {sorted(required)} and may have {sorted(allowed)}, got {sorted(present)}"
@@ -185,23 +169,24 @@ class Op:
 
     def _has(self, name: str) -> bool:
         """Whether the op names field `name` (a pipe other than 0, any other field set)."""
-        return getattr(self, name) is not None and (name != _PIPE or self.pipe != 0)
+        return getattr(self, name) is not None and (name != "pipe" or self.pipe != 0)
 
-    stage_id = _Named[int](_STAGE)
-    mb_id = _Named[int](_MB)
-    peer_rank = _Named[int](_PEER)
-    layer_name = _Named[str](_LAYER)
-    part_name = _Named[str](_PART)
+    stage_id = _Named[int]("stage")
+    mb_id = _Named[int]("mb")
+    peer_rank = _Named[int]("peer")
+    layer_name = _Named[str]("layer")
+    part_name = _Named[str]("part")
 
     def __str__(self) -> str:
         parts = [_SHORT.get(self.kind, self.kind.value)]
         for name, _, template in _FIELD_TOKENS:
             if self._has(name):
                 value = getattr(self, name)
-                args = value if name == _PIECE else [",".join(map(str, value))] if name == _GROUP else [value]
-                parts.append(template.format(*args, to=_peer_prefix(self.kind)))
-        if self.layer is not None:
-            parts.append(_layer_text(self.layer))
+                args = value if name == "piece" else [",".join(map(str, value))] if name == "group" else [value]
+                parts.append(template.format(*args, to=">" if self.kind in SEND_KINDS else "<"))
+        if self.layer is not None:  # a layer name as one token: raw when unambiguous, else JSON-quoted
+            raw = _RAW_LAYER.fullmatch(self.layer) and not any(p.fullmatch(self.layer) for _, p, _ in _FIELD_TOKENS)
+            parts.append(self.layer if raw else json.dumps(self.layer))
         return " ".join(parts)
 
     @classmethod
@@ -210,7 +195,7 @@ class Op:
         head, _, rest = text.strip().partition(" ")
         if head not in _BY_NAME:
             raise PlanFormatError(f"unknown op kind {head!r} in {text!r}; kinds: {sorted(_BY_NAME)}")
-        kind = _BY_NAME[head]
+        kind, to = _BY_NAME[head], ">" if _BY_NAME[head] in SEND_KINDS else "<"
         fields: dict[str, Any] = {}  # int, str or tuple by name; Op.__post_init__ checks each
         rest = rest.strip()
         for name, pattern, _ in _FIELD_TOKENS:
@@ -218,19 +203,25 @@ class Op:
             if not token or pattern.fullmatch(token) is None:
                 continue
             numbers = tuple(int(n) for n in re.findall(r"\d+", token))
-            fields[name] = token if name == _PART else numbers if name in (_PIECE, _GROUP) else numbers[0]
-            if name == _PEER and token[0] != _peer_prefix(kind):
-                raise PlanFormatError(f"peer of {kind} must be written {_peer_prefix(kind)}rN in {text!r}")
+            fields[name] = token if name == "part" else numbers if name in ("piece", "group") else numbers[0]
+            if name == "peer" and token[0] != to:
+                raise PlanFormatError(f"peer of {kind} must be written {to}rN in {text!r}")
             rest = tail.strip()
-        if rest:
-            fields[_LAYER] = _parse_layer(rest, text)
+        if rest.startswith('"'):
+            try:
+                fields["layer"] = json.loads(rest)
+            except json.JSONDecodeError as e:
+                raise PlanFormatError(f"bad quoted layer name in {text!r}: {e}") from e
+        elif rest:
+            if not _RAW_LAYER.fullmatch(rest):
+                raise PlanFormatError(f"cannot read the layer name {rest!r} in {text!r}")
+            fields["layer"] = rest
         return cls(kind, **fields)
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one preconditioner op runs: `device`, window step `step` (0..2k-1), `start` to `end` seconds after the
-    refresh step began."""
+    """Where one preconditioner op runs: `device`, window step `step` (0..2k-1), seconds after the refresh step began"""
 
     op: Op
     device: int
@@ -248,42 +239,6 @@ class Placement:
         return cls(
             Op.parse(str(data["op"])), int(data["device"]), int(data["step"]), float(data["start"]), float(data["end"])
         )
-
-
-def _check_group(group: object, root: int | None) -> tuple[int, ...]:
-    """A broadcast's group as ascending distinct ranks that include its root; PlanFormatError otherwise."""
-    ranks = tuple(group) if isinstance(group, (tuple, list)) else ()
-    if (
-        len(ranks) < 2
-        or not all(isinstance(r, int) and r >= 0 for r in ranks)
-        or list(ranks) != sorted(set(ranks))
-        or (root is not None and root not in ranks)
-    ):
-        raise PlanFormatError(
-            f"Op.group must be two or more ascending distinct ranks holding the root {root}, got {group!r}"
-        )
-    return ranks
-
-
-def _check_piece(piece: object) -> tuple[int, int]:
-    """A DECOMP's piece as ``(i, n)`` with ``0 <= i < n`` and ``n >= 2``; PlanFormatError otherwise."""
-    i, n = piece if isinstance(piece, (tuple, list)) and len(piece) == 2 else (None, None)
-    if not (isinstance(i, int) and isinstance(n, int) and 0 <= i < n and n >= 2):
-        raise PlanFormatError(f"Op.piece must be (i, n) with 0 <= i < n and n >= 2, got {piece!r}")
-    return (i, n)
-
-
-def _parse_layer(rest: str, text: str) -> str:
-    if rest.startswith('"'):
-        try:
-            layer = json.loads(rest)
-        except json.JSONDecodeError as e:
-            raise PlanFormatError(f"bad quoted layer name in {text!r}: {e}") from e
-        if isinstance(layer, str):
-            return layer
-    elif _RAW_LAYER.fullmatch(rest):
-        return rest
-    raise PlanFormatError(f"cannot read the layer name {rest!r} in {text!r}")
 
 
 Program = list[list[Op]]
@@ -384,9 +339,7 @@ NS_STEPS = 5
 
 def piece_iterations(piece: tuple[int, int] | None, ns_steps: int = NS_STEPS) -> range:
     """The iterations piece (i, n) of a matrix's APPLY runs: [i*S//n, (i+1)*S//n) of S = ns_steps (all: None)."""
-    if piece is None:
-        return range(ns_steps)
-    i, n = piece
+    i, n = piece or (0, 1)
     return range(i * ns_steps // n, (i + 1) * ns_steps // n)
 
 

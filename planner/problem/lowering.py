@@ -1,7 +1,5 @@
 """Pure program -> program passes: transfers, data-parallel expansion, the preconditioner on the critical path,
-start-up steps, and streamed preconditioning (docs/STREAMED_APPLY.md: a helper rank applies layers of a stage, fed
-their gradients during its owners' last backward, and gets a replica of each refresh). The runtime only interprets
-the programs made here and by the planner's placements."""
+start-up steps and streamed preconditioning (docs/STREAMED_APPLY.md); the runtime only interprets their programs."""
 
 from __future__ import annotations
 
@@ -30,8 +28,6 @@ if TYPE_CHECKING:
 
 KFAC_PARTS = ("A", "B")
 """K-FAC's parts: the input-side factor A and the output-side factor B (another family names its own)."""
-
-
 _TRANSFERS = {OpKind.FWD: (OpKind.RECV_ACT, OpKind.SEND_ACT, 1), OpKind.BWD: (OpKind.RECV_GRAD, OpKind.SEND_GRAD, -1)}
 """Per F/B: the RECV of its input, the SEND of its output, and the stage offset its output goes to."""
 
@@ -41,10 +37,6 @@ def add_send_recv(programs: Mapping[int, P], kind: ScheduleKind | str, D: int, v
     apply before `expand_dp`), for one step's ops or a period program per rank."""
     kind, S = ScheduleKind(kind), num_stages(kind, D, v)
 
-    def peer(rank: int, stage: int, pipe: int) -> int:
-        """The pp rank of `stage` (`rank` itself beyond the pipeline's ends)."""
-        return stage_rank(kind, D, stage, pipe, v=v) if 0 <= stage < S else rank
-
     def lower(rank: int, ops: Sequence[Op]) -> list[Op]:
         out: list[Op] = []
         for op in ops:
@@ -52,7 +44,8 @@ def add_send_recv(programs: Mapping[int, P], kind: ScheduleKind | str, D: int, v
                 out.append(op)
                 continue
             recv, send, offset = _TRANSFERS[op.kind]
-            before, after = peer(rank, op.stage - offset, op.pipe), peer(rank, op.stage + offset, op.pipe)
+            stages = (op.stage - offset, op.stage + offset)  # the pp ranks of its neighbours (`rank` beyond the ends)
+            before, after = (stage_rank(kind, D, s, op.pipe, v=v) if 0 <= s < S else rank for s in stages)
             if before != rank:
                 out.append(Op(recv, op.stage, op.mb, op.pipe, peer=before))
             out.append(op)
@@ -170,66 +163,6 @@ def step_applies(
     return applies, shares
 
 
-def kfac_tail(
-    rank: int,
-    copies: Sequence[tuple[int, int]],
-    step: int,
-    timings: Mapping[str, LayerTiming],
-    stage_layers: Mapping[int, Sequence[str]],
-    holders: Mapping[int, tuple[int, ...]],
-    parts: Sequence[str] = KFAC_PARTS,
-    gradient_parts: frozenset[str] = frozenset(),
-    *,
-    assignment: Assignment = Assignment.ROUND_ROBIN,
-    seconds: Mapping[Decomposition, float] | None = None,
-    distributions: Mapping[str, LayerDistribution] | None = None,
-) -> list[Op]:
-    """The preconditioner ops `rank` (holding the (stage, pipe) `copies`) runs between its last ALLREDUCE_GRAD and
-    OPT_STEP at one step: gradient STATS (`gradient_parts`), SYNC_STATS (none for local factors), DECOMPs dealt by
-    `assignment` over each layer's grad workers, BCASTs, APPLYs and BCAST_PRECs, each collective in (stage, layer,
-    part) order on every member so that none waits on another."""
-    where = dict(distributions or {})
-    captured = [part for part in parts if part not in gradient_parts]
-    out: list[Op] = []
-    for s in sorted({s for s, _ in copies}):
-        ranks, layers = holders[s], stage_layers[s]
-        workers = {n: grad_workers(ranks, where.get(n, LayerDistribution())) for n in layers}
-        out += [
-            Op(OpKind.STATS, stage=s, part=part, layer=n)
-            for n in layers
-            if rank in workers[n]
-            for part in parts
-            if part in gradient_parts
-        ]
-        names = refreshing(timings, layers, step)
-        by_column: dict[tuple[int, ...], list[Decomposition]] = {}  # each decomposition dealt over its workers
-        for n in names:
-            by_column.setdefault(workers[n], []).extend((n, part) for part in parts)
-        roots = {
-            d: r
-            for column, ds in by_column.items()
-            for d, r in assign_decompositions(ds, column, assignment, seconds).items()
-        }
-        if len(ranks) > 1 and captured:  # the holders average what they captured, but DP-KFAC's local factors
-            averaged = [n for n in names if not where.get(n, LayerDistribution()).strategy.local_factors]
-            sides: Sequence[str | None] = captured if gradient_parts else [None]  # one per captured part, or layer
-            out += [Op(OpKind.SYNC_STATS, stage=s, part=side, layer=n) for n in averaged for side in sides]
-        out += [Op(OpKind.DECOMP, s, part=side, layer=n) for n in names for side in parts if roots[n, side] == rank]
-        groups = {n: None if w == ranks else w for n, w in workers.items()}  # None: every holder
-        out += [  # each decomposition from its root to the layer's other grad workers
-            Op(OpKind.BCAST, s, part=side, root=roots[n, side], layer=n, group=groups[n])
-            for n in names
-            if len(workers[n]) > 1 and rank in workers[n]
-            for side in parts
-        ]
-        applies, shared = step_applies(rank, s, layers, ranks, where, pipe=next(p for st, p in copies if st == s))
-        out += applies + shared
-    return sorted(out, key=lambda op: _TAIL_ORDER.index(op.kind))  # stable: by kind, then stage by stage
-
-
-_TAIL_ORDER = [OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY, OpKind.BCAST_PREC]
-
-
 def capture_stats(
     bwd: Op,
     rank: int,
@@ -262,22 +195,55 @@ def naive_programs(
     seconds: Mapping[Decomposition, float] | None = None,
     distributions: Mapping[str, LayerDistribution] | None = None,
 ) -> Programs:
-    """The preconditioner on the critical path (PipeFisher's "naive K-FAC", "K-FAC+skip" at period k): the plain
-    pipeline with curvature after each BWD of a refreshing layer and `kfac_tail` before OPT_STEP, one step per step
-    of the periods' lcm (no timings: the plain pipeline); every refresh ends in its step, so no start-up steps."""
+    """The preconditioner on the critical path (PipeFisher's "naive K-FAC", "K-FAC+skip" at period k): curvature after
+    each refreshing layer's BWD and the tail before OPT_STEP, one step per step of the periods' lcm (none: plain)."""
     holders = ranks_of_stages(kind, D, W, v)
     period = math.lcm(*(t.period for t in timings.values())) if timings else 1
-    where = dict(distributions or {})
+    where = {n: (distributions or {}).get(n, LayerDistribution()) for names in stage_layers.values() for n in names}
     captured = [side for side in parts if side not in gradient_parts]
-    tail = partial(kfac_tail, assignment=assignment, seconds=seconds, distributions=where)
+
+    def tail(rank: int, copies: Mapping[int, int], step: int) -> list[Op]:
+        """What `rank` (holding stage: pipe `copies`) runs before OPT_STEP: gradient STATS, SYNC_STATS, DECOMPs dealt by
+        `assignment`, BCASTs, APPLYs, BCAST_PRECs; collectives in (stage, layer, part) order on every member."""
+        out: list[Op] = []
+        for s in sorted(copies):
+            ranks, layers = holders[s], stage_layers[s]
+            workers = {n: grad_workers(ranks, where[n]) for n in layers}
+            names = refreshing(timings, layers, step)
+            by_column: dict[tuple[int, ...], list[Decomposition]] = {}  # each decomposition dealt over its workers
+            for n in names:
+                by_column.setdefault(workers[n], []).extend((n, part) for part in parts)
+            roots = {
+                d: r
+                for col, ds in by_column.items()
+                for d, r in assign_decompositions(ds, col, assignment, seconds).items()
+            }
+            sides: Sequence[str | None] = (
+                captured if gradient_parts else [None]
+            )  # SYNC_STATS per captured part, or layer
+            for n in layers:
+                mine = rank in workers[n]
+                out += [Op(OpKind.STATS, s, part=p, layer=n) for p in parts if mine and p in gradient_parts]
+                if n not in names:
+                    continue
+                if len(ranks) > 1 and captured and not where[n].strategy.local_factors:  # averaged, but local factors
+                    out += [Op(OpKind.SYNC_STATS, s, part=side, layer=n) for side in sides]
+                out += [Op(OpKind.DECOMP, s, part=p, layer=n) for p in parts if roots[n, p] == rank]
+                if mine and len(workers[n]) > 1:  # each decomposition from its root to the layer's other grad workers
+                    group = None if workers[n] == ranks else workers[n]  # None: every holder
+                    out += [Op(OpKind.BCAST, s, part=p, root=roots[n, p], layer=n, group=group) for p in parts]
+            applies, shared = step_applies(rank, s, layers, ranks, where, pipe=copies[s])
+            out += applies + shared
+        order = [OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY, OpKind.BCAST_PREC]
+        return sorted(out, key=lambda op: order.index(op.kind))  # stable: by kind, then stage, layer and part
 
     def with_prec(ops: Sequence[Op], rank: int, step: int) -> list[Op]:
-        copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
+        copies = {op.stage: op.pipe for op in ops if op.kind is OpKind.FWD and op.stage is not None}
         made = OpKind.BWD_W if any(op.kind is OpKind.BWD_W for op in ops) else OpKind.BWD
         body: list[Op] = []
         for op in ops:
             if op.kind is OpKind.OPT_STEP:
-                body += tail(rank, copies, step, timings, stage_layers, holders, parts, gradient_parts)
+                body += tail(rank, copies, step)
             body.append(op)
             if op.kind is made and op.stage is not None:
                 names = refreshing(timings, stage_layers[op.stage], step)
@@ -303,8 +269,7 @@ def startup_programs(programs: Mapping[int, Program], born: Mapping[int, Mapping
 
 @dataclass(frozen=True)
 class Streaming:
-    """Layers of `stage` in the order its owners' backward makes their gradients final, and the helper rank that
-    preconditions each."""
+    """Layers of `stage` in the order its owners' backward makes their gradients final, and each one's helper rank."""
 
     stage: int
     helpers: tuple[int, ...]
@@ -314,16 +279,12 @@ class Streaming:
     during it; else each layer's is final as the backward reaches it (`ready_fractions`)."""
 
     def __post_init__(self) -> None:
+        ranks = (self.stage, *self.helpers) if isinstance(self.helpers, tuple) else (-1,)
+        names = self.layers if isinstance(self.layers, tuple) else ()
         ok = (
-            isinstance(self.stage, int)
-            and self.stage >= 0
-            and isinstance(self.helpers, tuple)
-            and all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in self.helpers)
-            and isinstance(self.layers, tuple)
-            and len(self.layers) > 0
-            and len(self.helpers) == len(self.layers)
-            and len(set(self.layers)) == len(self.layers)
-            and all(isinstance(n, str) and n for n in self.layers)
+            all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
+            and 0 < len(names) == len(self.helpers) == len(set(names))
+            and all(isinstance(n, str) and n for n in names)
             and isinstance(self.whole_backward, bool)
         )
         if not ok:
@@ -393,9 +354,8 @@ def _before_step_end(ops: list[Op], extra: Sequence[Op]) -> list[Op]:
 def stream_step(
     ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: Sequence[int], pieces: int = 1
 ) -> dict[int, list[Op]]:
-    """One step's programs with the streamed layers handed over: each owner sends each layer's gradient after its
-    last BWD and takes it back before OPT_STEP; each helper, before its OPT_STEP, receives a layer from every owner,
-    applies it (`pieces` pieces) and returns it, layer by layer."""
+    """One step's programs with the streamed layers handed over: each owner sends its gradient after its last BWD and
+    takes it back before OPT_STEP; before its own OPT_STEP the helper receives, applies and returns it, by layer."""
     s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
     out = {rank: list(body) for rank, body in ops.items()}
     for owner in owners:
@@ -447,9 +407,8 @@ def replica_born(streaming: Streaming, owner: int, made: Made) -> dict[int, dict
 
 
 def add_replicas(programs: Mapping[int, Program], streaming: Streaming, owner: int, made: Made) -> dict[int, Program]:
-    """The period programs with each streamed layer's replica transfers: SEND_REPLICA after the op of `made` on
-    `owner`, RECV_REPLICA in that step on the helper (unrolled to both periods' lcm), before its first RECV_LGRAD of
-    the layer when the refresh is used in that step, else before its OPT_STEP."""
+    """The programs with each streamed layer's replica: SEND_REPLICA after its `made` op on `owner`, RECV_REPLICA in
+    that step on the helper (periods' lcm), before the layer's RECV_LGRAD if used in that step, else before OPT_STEP."""
     s = streaming.stage
     out = {rank: [list(step) for step in body] for rank, body in programs.items()}
     k_owner = len(out[owner])

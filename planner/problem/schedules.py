@@ -1,5 +1,4 @@
-"""Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B, Chimera and the zero-bubble family (ZB-H1, ZB-V,
-interleaved ZB) as per-pp-rank op lists."""
+"""Pipeline schedules as per-pp-rank op lists: GPipe, 1F1B, interleaved 1F1B, Chimera, ZB-H1, ZB-V, ZB-1P."""
 
 from __future__ import annotations
 
@@ -28,15 +27,13 @@ ZERO_BUBBLE_KINDS = frozenset({ScheduleKind.ZB_H1, ScheduleKind.ZB_V, ScheduleKi
 
 def weight_gradient_kind(kind: ScheduleKind | str) -> OpKind:
     """The op whose end makes one micro-batch's weight gradient of a stage: the zero-bubble family's BWD_W (a fused
-    layer's output-gradient curvature runs with it, on the operands it keeps), BWD otherwise."""
+    layer's output-gradient curvature runs with it), BWD otherwise."""
     return OpKind.BWD_W if _kind(kind) in ZERO_BUBBLE_KINDS else OpKind.BWD
 
 
 def capture_kind(kind: ScheduleKind | str, after: OpKind) -> OpKind:
-    """The op whose end makes a refresh step's capture taken `after` FWD or BWD (`PartCost.after`): an output
-    gradient's is the weight gradient's (`weight_gradient_kind`), fused or deferred, so a STATS of it follows its W
-    (made by B instead, it would cost a zero-bubble stage's backward chain in B: [Note: late captures] in
-    fxkfac/runtime/tapped_runner.py)."""
+    """The op whose end makes a refresh step's capture taken `after` FWD or BWD: an output gradient's is the weight
+    gradient's, so a STATS of it follows its W ([Note: late captures] in fxkfac/runtime/tapped_runner.py)."""
     return weight_gradient_kind(kind) if after is OpKind.BWD else after
 
 
@@ -125,13 +122,11 @@ def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -
 
 
 def _steady_rank(D: int, v: int, r: int, total: int, warmup: int, w_lag: int | None = None) -> list[Op]:
-    """`warmup` forwards, then per unit k of `total` the forward k+warmup (while any is left) and backward k: GPipe,
-    1F1B with flush, Megatron's interleaved 1F1B. With `w_lag` r, the zero-bubble order of torch's
-    ScheduleInterleavedZeroBubble (ZB-1P; ZB-H1 when v=1): the j-th B followed by the W of B j-r (r W's held back)."""
+    """`warmup` forwards, then per unit k of `total` forward k+warmup (while any is left) and backward k (GPipe, 1F1B,
+    interleaved); with `w_lag` r torch's ScheduleInterleavedZeroBubble (ZB-1P, ZB-H1): after B j the W of B j-r."""
 
     def unit(k: int, kind: OpKind) -> Op:
-        """The k-th `kind` op: chunks in groups of D micro-batches, forwards through the chunks r, r+D, ... and
-        backwards back."""
+        """The k-th `kind` op: D micro-batches a chunk, forwards through chunks r, r+D, ... and backwards back."""
         chunk = (k // D) % v
         return Op(kind, (chunk if kind is OpKind.FWD else v - 1 - chunk) * D + r, (k // (D * v)) * D + k % D)
 
@@ -143,18 +138,12 @@ def _steady_rank(D: int, v: int, r: int, total: int, warmup: int, w_lag: int | N
         ops.append(unit(j, OpKind.BWD))
         if w_lag is not None and j >= w_lag:
             ops.append(unit(j - w_lag, OpKind.BWD_W))
-    if w_lag is None:
-        return ops
-    return ops + [unit(j, OpKind.BWD_W) for j in range(max(total - w_lag, 0), total)]
+    return ops if w_lag is None else ops + [unit(j, OpKind.BWD_W) for j in range(max(total - w_lag, 0), total)]
 
 
 def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:
-    """ZB-V, the order of torch's ScheduleZBVZeroBubble: rank r holds stage r (down the V) and 2D-1-r (back up).
-
-    Phases for max(N, 2D-1) micro-batches (those >= N dropped): 2(D-r)-1 forwards low; r pairs F high, F low; D-r
-    triples F, B, W high; F, B, W low and high until every forward ran; r pairs B low, B high (W's held); D-r pairs
-    B low, W low; the held W's, high then low.
-    """
+    """ZB-V in torch's ScheduleZBVZeroBubble order: rank r holds stage r (down the V) and 2D-1-r (back up), run in the
+    phases below for max(N, 2D-1) micro-batches, those >= N dropped."""
     F, B, W = OpKind.FWD, OpKind.BWD, OpKind.BWD_W
     low, high = r, 2 * D - 1 - r
     n = max(N, 2 * D - 1)
@@ -182,9 +171,8 @@ def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:
 
 
 def _chimera_rank(D: int, N: int, r: int) -> list[Op]:
-    """Chimera by its paper's slot rule (Li & Hoefler, SC 2021), N/D units concatenated: micro-batch j of unit u runs
-    F at stage s in slot 2Du+2j+s and B in slot 2Du+2j+2D-1-s; the high stage's gradient sync right after its last B
-    when above D/2 (else at the end, first), then the low's, then OPT_STEP."""
+    """Chimera by its paper's slot rule (Li & Hoefler, SC 2021), N/D units: micro-batch j of unit u runs F at stage s
+    in slot 2Du+2j+s, B in 2Du+2j+2D-1-s; the high stage's gradient sync after its last B when above D/2."""
     slotted: list[tuple[int, Op]] = []
     half = D // 2
     for u in range(N // D):

@@ -1,6 +1,5 @@
-"""Event simulation of per-rank programs (`simulate`), one simulated step of a problem (`step_timeline`: the
-reference step, its collectives and bubbles), and a problem's memory (held all step, activations in flight, peaks).
-"""
+"""Event simulation of per-rank programs (`simulate`), a problem's simulated step (`step_timeline`: the reference
+step, its collectives and bubbles), and its memory (held all step, activations in flight, peaks)."""
 
 from __future__ import annotations
 
@@ -39,15 +38,12 @@ from fxkfac.planner.problem.problem import (
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
 from fxkfac.planner.problem.strategy import LayerDistribution, holding, keeps_statistics
 
-COMPUTE_KINDS = frozenset(
-    {OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP}
-)
+_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
+COMPUTE_KINDS = _FIXED_KINDS | {OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP}
 """What counts as busy by default: work on the device, not waiting and not communication."""
 
 BUSY_KINDS = COMPUTE_KINDS - {OpKind.OPT_STEP}
 """What a plan's utilization counts as busy, planned and measured: F/B and the preconditioner's own work."""
-
-_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
 _NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
 """Ops besides F/B during which a window places no preconditioner work (planner/plan/window.py)."""
 
@@ -78,8 +74,7 @@ class Interval:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Every op's interval (of a simulation, one simulated step, a plan's view or a measured run); measures of the
-    whole run and per rank."""
+    """Every op's interval (of a simulation, a plan's view or a measured run) and their measures, whole or per rank."""
 
     intervals: tuple[Interval, ...]
     ranks: tuple[int, ...]
@@ -89,16 +84,6 @@ class Timeline:
     def length(self) -> float:
         """End of the last op (the run starts at 0): one step's step time."""
         return max((iv.end for iv in self.intervals), default=0.0)
-
-    @property
-    def step_time(self) -> float:
-        """Steady-state period: the lowest rank's last step start less the one before (steps=1: the length)."""
-        if self.steps == 1:
-            return self.length
-        first: dict[int, float] = {}
-        for iv in self.of_rank(self.ranks[0]):
-            first.setdefault(iv.step, iv.start)
-        return first[self.steps - 1] - first[self.steps - 2]
 
     @cached_property
     def ops(self) -> Mapping[int, tuple[tuple[Op, float, float], ...]]:
@@ -146,8 +131,7 @@ class Timeline:
     ) -> float:
         """`utilization` of one rank (None: all) over `window` (default: the length)."""
         ranks = self.ranks if rank is None else (rank,)
-        span = self.length if window is None else window[1] - window[0]
-        clip = (-math.inf, math.inf) if window is None else window
+        span, clip = (self.length, (-math.inf, math.inf)) if window is None else (window[1] - window[0], window)
         return utilization(sum(self.busy(r, kinds, clip) for r in ranks), span * len(ranks))
 
     def bubbles(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> list[tuple[float, float]]:
@@ -161,13 +145,6 @@ class Timeline:
         if self.length > cursor:
             gaps.append((cursor, self.length))
         return gaps
-
-    def bubble_time(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> float:
-        """Total idle time of the rank (the sum of its bubbles: its ops run one at a time)."""
-        return self.length - self.busy(rank, kinds)
-
-
-_Slot = tuple[int, int]  # (rank, index into that rank's flat op list)
 
 
 _MESSAGES = {
@@ -185,122 +162,6 @@ def _message_key(src: int, dst: int, op: Op) -> tuple:
     return (src, dst, recv, op.stage_id + offset, op.mb, op.pipe, op.layer)
 
 
-def _check_lowered(ops: Mapping[int, list[tuple[int, Op]]]) -> None:
-    """ValueError where activations pass between ranks with no SEND/RECV: `simulate` waits for messages alone."""
-    if any(op.kind in SEND_KINDS for items in ops.values() for _, op in items):
-        return
-    rank_of = {(op.stage, op.pipe): r for r, items in ops.items() for _, op in items if op.kind is OpKind.FWD}
-    if any(s is not None and rank_of.get((s + 1, p), r) != r for (s, p), r in rank_of.items()):
-        raise ValueError("the programs pass activations between ranks without SEND/RECV: lower them (add_send_recv)")
-
-
-class _Sim:
-    """One simulation's state: the unrolled programs, collectives' members, per-rank cursor and free time, messages."""
-
-    def __init__(
-        self,
-        programs: Mapping[int, Program],
-        steps: int,
-        duration: Duration,
-        comm: float,
-        barrier: Mapping[int, tuple[int, ...]] | None,
-        lead: Duration | None,
-        link: Duration | None,
-        buckets: Buckets,
-    ) -> None:
-        self.duration, self.comm, self.lead, self.link, self.buckets = duration, comm, lead, link, buckets
-        self.filling: dict[tuple[int, frozenset[Op]], list[tuple[tuple, float]]] = {}
-        self.link_free: dict[tuple[int, int], float] = {}
-        self.ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in programs.items()}
-        _check_lowered(self.ops)
-        self.keys: dict[_Slot, tuple[Hashable, int]] = {}  # a synchronizing op's group and occurrence on its rank
-        members: dict[Hashable, set[int]] = defaultdict(set)
-        for r, ops in self.ops.items():
-            seen: Counter[Hashable] = Counter()
-            for i, (_, op) in enumerate(ops):
-                if op.kind in SYNCHRONIZING_KINDS:  # every member runs the same op, OPT_STEP of one agreement set
-                    group = (op, barrier[r]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
-                    self.keys[r, i] = (group, seen[group])
-                    seen[group] += 1
-                    members[group].add(r)
-        self.groups = {key: sorted(ranks) for key, ranks in members.items()}
-        self.pos = {r: 0 for r in self.ops}
-        self.free = {r: 0.0 for r in self.ops}
-        self.sent: dict[tuple, deque[float]] = defaultdict(deque)  # arrivals of each message not yet received
-        self.intervals: list[Interval] = []
-
-    def try_receive(self, rank: int, op: Op) -> str:
-        """Take the RECV's message once sent (its interval includes the wait); else what it waits for."""
-        arrivals = self.sent[_message_key(op.peer_rank, rank, op)]
-        if not arrivals:
-            return f"a matching send on rank {op.peer}"
-        start = self.free[rank]
-        self.record(rank, start, max(start, arrivals.popleft()) + self.duration(rank, op))
-        return ""
-
-    def record(self, rank: int, start: float, end: float) -> None:
-        step, op = self.ops[rank][self.pos[rank]]
-        self.intervals.append(Interval(rank, step, op, start, end))
-        self.free[rank] = end
-        if op.kind in SEND_KINDS:
-            early = self.lead(rank, op) if self.lead is not None else 0.0
-            self.send(rank, op, end + self.comm - early)
-        self.pos[rank] += 1
-
-    def send(self, rank: int, op: Op, depart: float) -> None:
-        """Post `op`'s message, leaving at `depart`; a bucket's leave together with its last SEND's."""
-        key = _message_key(rank, op.peer_rank, op)
-        together = self.buckets.get((rank, op))
-        if together is None:
-            self.sent[key].append(self.arrival(rank, op, depart))
-            return
-        filling = self.filling.setdefault((rank, together), [])
-        filling.append((key, depart))
-        if len(filling) == len(together):
-            del self.filling[rank, together]
-            arrival = self.arrival(rank, op, max(d for _, d in filling))
-            for k, _ in filling:
-                self.sent[k].append(arrival)
-
-    def arrival(self, rank: int, op: Op, depart: float) -> float:
-        """When a message leaving at `depart` arrives: a streamed one under `link` after those queued before it on the
-        same two ranks' connection, any other at once."""
-        if self.link is None or op.kind not in LAYER_SENDS:
-            return depart
-        pair = (rank, op.peer_rank)
-        start = max(depart, self.link_free.get(pair, depart))
-        self.link_free[pair] = start + self.link(rank, op)
-        return self.link_free[pair]
-
-    def try_collective(self, rank: int, op: Op) -> str:
-        """Run the collective if every member stands at the same occurrence; else what it waits for."""
-        key = self.keys[rank, self.pos[rank]]
-        members = self.groups[key[0]]
-        waiting = [m for m in members if self.keys.get((m, self.pos[m])) != key]
-        if waiting:
-            return f"ranks {waiting} to reach it"
-        start = max(self.free[m] for m in members)
-        end = start + max(self.duration(m, self.ops[m][self.pos[m]][1]) for m in members)
-        for m in members:
-            self.record(m, start, end)
-        return ""
-
-    def advance(self, rank: int) -> str:
-        """Run the rank's ops as far as inputs allow; returns what blocks it ('' when done)."""
-        while self.pos[rank] < len(self.ops[rank]):
-            step, op = self.ops[rank][self.pos[rank]]
-            blocked = ""
-            if op.kind in SYNCHRONIZING_KINDS:
-                blocked = self.try_collective(rank, op)
-            elif op.kind in RECV_KINDS:
-                blocked = self.try_receive(rank, op)
-            else:
-                self.record(rank, self.free[rank], self.free[rank] + self.duration(rank, op))
-            if blocked:
-                return f"rank {rank}: {op} (step {step}) waits for {blocked}"
-        return ""
-
-
 def simulate(
     programs: Mapping[int, Sequence[Op]] | Mapping[int, Program],
     duration: Duration,
@@ -312,23 +173,91 @@ def simulate(
     link: Duration | None = None,
     buckets: Buckets | None = None,
 ) -> Timeline:
-    """Run `programs` (per rank one step's ops or a period) for `steps` steps, each op when its rank is free and its
-    inputs are there: a RECV its SEND's message (`comm` later; `lead`: seconds it leaves early; `link`: seconds a
-    streamed one holds its connection; `buckets`: SENDs sent as one); the programs carry their transfers
-    (`add_send_recv`). `SYNCHRONIZING_KINDS` start together on their members (`barrier`: the ranks each OPT_STEP
-    waits for, None: all). DeadlockError names the blocked ops."""
+    """Run lowered `programs` (per rank a step or a period) `steps` steps, each op once its rank is free and its inputs
+    are there: a RECV its message (`comm` later, `lead` s early, a streamed one `link` s on its connection, `buckets`
+    sent as one); `SYNCHRONIZING_KINDS` together (OPT_STEP over `barrier`, None: all). DeadlockError when stuck."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    sim = _Sim(as_programs(programs), steps, duration, comm, barrier, lead, link, buckets or {})
+    ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in as_programs(programs).items()}
+    if not any(op.kind in SEND_KINDS for items in ops.values() for _, op in items):  # `simulate` waits for messages
+        rank_of = {(op.stage, op.pipe): r for r, items in ops.items() for _, op in items if op.kind is OpKind.FWD}
+        if any(s is not None and rank_of.get((s + 1, p), r) != r for (s, p), r in rank_of.items()):
+            raise ValueError(
+                "the programs pass activations between ranks without SEND/RECV: lower them (add_send_recv)"
+            )
+    keys: dict[tuple[int, int], tuple[Hashable, int]] = {}  # (rank, index) of a synchronizing op: group, occurrence
+    members: dict[Hashable, set[int]] = defaultdict(set)
+    for r, items in ops.items():
+        seen: Counter[Hashable] = Counter()
+        for i, (_, op) in enumerate(items):
+            if op.kind in SYNCHRONIZING_KINDS:  # every member runs the same op, OPT_STEP of one agreement set
+                group = (op, barrier[r]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
+                keys[r, i] = (group, seen[group])
+                seen[group] += 1
+                members[group].add(r)
+    groups = {key: sorted(ranks) for key, ranks in members.items()}
+    pos, free = dict.fromkeys(ops, 0), dict.fromkeys(ops, 0.0)
+    sent: dict[tuple, deque[float]] = defaultdict(deque)  # arrivals of each message not yet received
+    filling: dict[tuple[int, frozenset[Op]], list[tuple[tuple, float]]] = {}  # a bucket's messages posted so far
+    link_free: dict[tuple[int, int], float] = {}
+    intervals: list[Interval] = []
+
+    def record(rank: int, start: float, end: float) -> None:
+        """Run the rank's next op from `start` to `end`; a SEND posts its message (a bucket's all leave together with
+        the last one's, a streamed one then holds its connection under `link` after those queued on it)."""
+        step, op = ops[rank][pos[rank]]
+        intervals.append(Interval(rank, step, op, start, end))
+        free[rank] = end
+        pos[rank] += 1
+        if op.kind not in SEND_KINDS:
+            return
+        together = (buckets or {}).get((rank, op), frozenset({op}))
+        posted = filling.setdefault((rank, together), [])
+        posted.append((_message_key(rank, op.peer_rank, op), end + comm - (lead(rank, op) if lead else 0.0)))
+        if len(posted) < len(together):
+            return
+        del filling[rank, together]
+        arrival = max(depart for _, depart in posted)
+        if link is not None and op.kind in LAYER_SENDS:
+            pair = (rank, op.peer_rank)
+            link_free[pair] = max(arrival, link_free.get(pair, arrival)) + link(rank, op)
+            arrival = link_free[pair]
+        for key, _ in posted:
+            sent[key].append(arrival)
+
+    def advance(rank: int) -> str:
+        """Run the rank's ops as far as inputs allow (a collective once every member stands at the same occurrence,
+        a RECV once its message is sent, its interval including the wait); returns what blocks it ('' when done)."""
+        while pos[rank] < len(ops[rank]):
+            step, op = ops[rank][pos[rank]]
+            start = free[rank]
+            if op.kind in SYNCHRONIZING_KINDS:
+                key = keys[rank, pos[rank]]
+                together = groups[key[0]]
+                waiting = [m for m in together if keys.get((m, pos[m])) != key]
+                if waiting:
+                    return f"rank {rank}: {op} (step {step}) waits for ranks {waiting} to reach it"
+                start = max(free[m] for m in together)
+                end = start + max(duration(m, ops[m][pos[m]][1]) for m in together)
+                for m in together:
+                    record(m, start, end)
+            elif op.kind in RECV_KINDS:
+                arrivals = sent[_message_key(op.peer_rank, rank, op)]
+                if not arrivals:
+                    return f"rank {rank}: {op} (step {step}) waits for a matching send on rank {op.peer}"
+                record(rank, start, max(start, arrivals.popleft()) + duration(rank, op))
+            else:
+                record(rank, start, start + duration(rank, op))
+        return ""
+
     while True:
-        before = len(sim.intervals)
-        blocked = [msg for msg in (sim.advance(r) for r in sorted(sim.pos)) if msg]
+        before = len(intervals)
+        blocked = [msg for msg in (advance(r) for r in sorted(pos)) if msg]
         if not blocked:
             break
-        if len(sim.intervals) == before:
+        if len(intervals) == before:
             raise DeadlockError("programs deadlock:\n  " + "\n  ".join(blocked))
-    intervals = tuple(sorted(sim.intervals, key=lambda iv: (iv.start, iv.rank)))
-    return Timeline(intervals, tuple(sorted(sim.pos)), steps)
+    return Timeline(tuple(sorted(intervals, key=lambda iv: (iv.start, iv.rank))), tuple(sorted(pos)), steps)
 
 
 @lru_cache(maxsize=64)
@@ -349,16 +278,14 @@ def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
 
 def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float]]:
     """The per-step preconditioner work of `stage` on `device` with seconds: gradient STATS, APPLYs, BCAST_PRECs."""
-    copies = problem.holders[stage]
-    cost = problem.costs.stages[stage]
+    copies, cost = problem.holders[stage], problem.costs.stages[stage]
     work = [
         (op, secs)
         for op, secs in gradient_stats(cost, stage)
         if op.layer is not None and device in problem.workers(op.layer) and not streamed_stats(problem, op.layer)
     ]
-    names, streaming = [x.name for x in cost.layers], problem.streaming
+    names, streaming, pieces = [x.name for x in cost.layers], problem.streaming, problem.apply_pieces
     shares: list[Op] = []
-    pieces = problem.apply_pieces
     if streaming is not None and streaming.stage == stage:  # the helper applies the streamed layers
         kept = [Op(OpKind.APPLY, stage, layer=n) for n in names if n not in streaming.layers]
         applies = [piece for op in kept for piece in cut_apply(op, pieces)]
@@ -387,11 +314,6 @@ def reference_programs(problem: Problem) -> dict[int, list[Op]]:
     if problem.streaming is not None:
         out = stream_step(out, problem.streaming, problem.stream_owners, problem.apply_pieces)
     return out
-
-
-def gradient_allreduce_seconds(problem: Problem, stage: int) -> float:
-    """Seconds of ALLREDUCE_GRAD(stage): the stage's gradients all-reduced over its copies (`CostTable.comm`)."""
-    return problem.costs.collective_seconds(Op(OpKind.ALLREDUCE_GRAD, stage), len(problem.holders[stage]))
 
 
 @dataclass(frozen=True)
@@ -425,25 +347,22 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
             if len(workers) > 1:
                 bcast += price(Op(OpKind.BCAST, stage, layer=x.name, part=p.part, root=workers[0]), len(workers))
     share = max(sum(secs for op, secs in prec_work(problem, d, stage) if op.kind is OpKind.BCAST_PREC) for d in copies)
-    return StageComm(len(copies), gradient_allreduce_seconds(problem, stage), sync, bcast, share)
+    return StageComm(len(copies), price(Op(OpKind.ALLREDUCE_GRAD, stage), len(copies)), sync, bcast, share)
 
 
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: Buckets) -> Duration:
-    """Op durations in seconds of the reference programs: F/B (a refresh step's with taps and fused curvature, a
-    recomputing BWD with its FWD, a zero-bubble BWD less its W), collectives, per-step work (`prec_work`, a helper's
-    streamed APPLY), a streamed hand-off and the CPU of a streamed transfer (`CostTable.message_cpu`, a bucket's fixed
-    cost split among its units: `buckets`); other transfers and OPT_STEP none."""
-    stages = problem.costs.stages
-    fwd = [s.fwd + (s.tap_fwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.FWD) for s in stages]
+    """Op seconds of the reference programs: F/B (a refresh step's with taps and fused curvature, a recomputing BWD with
+    its FWD, a split BWD less its W), collectives, `prec_work`, streamed APPLYs and transfers' CPU (over `buckets`)."""
     split = problem.kind in ZERO_BUBBLE_KINDS
-    wgrad = [s.weight_grad + s.fused_curvature(fused, OpKind.BWD) if split else 0.0 for s in stages]
-    bwd = [
-        s.bwd + (s.tap_bwd if refresh else 0.0) + (-s.weight_grad if split else s.fused_curvature(fused, OpKind.BWD))
-        for s in stages
-    ]
-    bwd = [b + (fwd[s] if problem.recomputes(s) else 0.0) for s, b in enumerate(bwd)]  # the same forward again
-    allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
-    by_stage = {OpKind.FWD: fwd, OpKind.BWD: bwd, OpKind.BWD_W: wgrad, OpKind.ALLREDUCE_GRAD: allreduce}
+    by_stage: dict[tuple[OpKind, int | None], float] = {}  # F, B, W and the gradients' all-reduce by stage
+    for i, s in enumerate(problem.costs.stages):
+        late = s.fused_curvature(fused, OpKind.BWD)  # the output-gradient curvature, with the W where one splits off
+        fwd = s.fwd + (s.tap_fwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.FWD)
+        bwd = s.bwd + (s.tap_bwd if refresh else 0.0) + (-s.weight_grad if split else late)
+        by_stage[OpKind.FWD, i], by_stage[OpKind.BWD_W, i] = fwd, s.weight_grad + late if split else 0.0
+        by_stage[OpKind.BWD, i] = bwd + (fwd if problem.recomputes(i) else 0.0)  # recomputing: the forward again
+        allreduce = Op(OpKind.ALLREDUCE_GRAD, i)
+        by_stage[OpKind.ALLREDUCE_GRAD, i] = problem.costs.collective_seconds(allreduce, len(problem.holders[i]))
     per_step = {
         (d, op): secs
         for d in problem.devices
@@ -452,8 +371,8 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: B
     }
 
     def duration(rank: int, op: Op) -> float:
-        if op.kind in by_stage and op.stage is not None:
-            return by_stage[op.kind][op.stage]
+        if (op.kind, op.stage) in by_stage:
+            return by_stage[op.kind, op.stage]
         if (rank, op) in per_step:
             return per_step[rank, op]
         if op.kind is OpKind.APPLY:
@@ -621,8 +540,7 @@ def fused_stats(problem: Problem, fused: frozenset[str], rank: int, bwd: Op) -> 
         for x in problem.costs.stages[bwd.stage_id].layers
         if x.name in fused and w_makes(bwd, x.name)
     }
-    where = {name: problem.where(name) for name in parts}
-    return capture_stats(bwd, rank, parts, problem.holders[bwd.stage_id], where)
+    return capture_stats(bwd, rank, parts, problem.holders[bwd.stage_id], dict(problem.distributions))
 
 
 def fused_extra(problem: Problem, fused: frozenset[str]) -> float:
@@ -694,8 +612,7 @@ def static_bytes(problem: Problem, device: int) -> int:
 
 
 def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistribution) -> tuple[int, int]:
-    """(bytes `device` keeps of `layer` under `where`: statistics, two decompositions (active and next) and state;
-    its BCAST_PREC buffer)."""
+    """(bytes `device` keeps of `layer` under `where`: statistics, two decompositions, state; its BCAST_PREC buffer)."""
     x = problem.costs.layer(layer)
     copies = problem.holders[problem.costs.stage_of(layer)]
     held = holding(device, copies, where, all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts))

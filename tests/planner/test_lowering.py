@@ -8,7 +8,7 @@ import pytest
 
 from fxkfac.planner.plan.solution import born_steps
 from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, ops_at
-from fxkfac.planner.problem.lowering import Assignment, add_send_recv, expand_dp, kfac_tail, startup_programs
+from fxkfac.planner.problem.lowering import Assignment, add_send_recv, expand_dp, naive_programs, startup_programs
 from fxkfac.planner.problem.schedules import schedule_programs
 from fxkfac.planner.problem.step_timeline import COMPUTE_KINDS, simulate
 
@@ -145,14 +145,13 @@ def test_startup_drops_the_work_of_refreshes_from_before_step_zero() -> None:
     assert ops_at({0: [body]}, startup, 0, 0) == startup[0][0] and ops_at({0: [body]}, startup, 0, 1) == body
 
 
-def test_kfac_tail_deals_a_stages_inversions_round_robin_by_default() -> None:
+def test_critical_path_deals_a_stages_inversions_round_robin_by_default() -> None:
     """Round-robin over the holders in (layer, factor) order, whatever the costs; LPT (Alg. 3) by the costs."""
     timings = {n: LayerTiming(1, 0, 0, "deferred") for n in ("x", "y", "z")}
-    layers, holders = {0: ["x", "y", "z"]}, {0: (0, 1)}
 
     def roots(**kw: object) -> list[tuple[str, str, int]]:
-        tail = kfac_tail(0, [(0, 0)], 0, timings, layers, holders, **kw)  # type: ignore[arg-type]  # kw: assignment= and seconds= of the case
-        return [(op.layer or "", op.part or "", op.root or 0) for op in tail if op.kind is OpKind.BCAST]
+        step = naive_programs("gpipe", 1, 1, 2, timings, {0: ["x", "y", "z"]}, **kw)[0][0]  # type: ignore[arg-type]  # kw: assignment= and seconds= of the case
+        return [(op.layer or "", op.part or "", op.root or 0) for op in step if op.kind is OpKind.BCAST]
 
     default = roots()
     assert default == [("x", "A", 0), ("x", "B", 1), ("y", "A", 0), ("y", "B", 1), ("z", "A", 0), ("z", "B", 1)]

@@ -8,7 +8,7 @@ import pytest
 
 from fxkfac.planner.problem.errors import ConfigError
 from fxkfac.planner.problem.ir import Op, OpKind
-from fxkfac.planner.problem.lowering import kfac_tail
+from fxkfac.planner.problem.lowering import naive_programs
 from fxkfac.planner.problem.strategy import (
     COMM_OPT,
     LayerDistribution,
@@ -76,7 +76,8 @@ def test_mem_opt_tail_applies_own_layers_and_broadcasts_every_layer() -> None:
 
     timings = {n: LayerTiming(1, 0, 0, "deferred") for n in ("x", "y")}
     where = {"x": LayerDistribution(parse_strategy("mem-opt"), 0), "y": LayerDistribution(parse_strategy("mem-opt"), 1)}
-    tail = kfac_tail(1, [(0, 0)], 0, timings, {0: ["x", "y"]}, {0: (0, 1)}, distributions=where)
+    step = naive_programs("gpipe", 1, 1, 2, timings, {0: ["x", "y"]}, distributions=where)[1][0]
+    tail = step[step.index(Op(OpKind.ALLREDUCE_GRAD, 0)) + 1 : -1]  # between the gradients' sync and OPT_STEP
     assert tail == [
         Op(OpKind.SYNC_STATS, 0, layer="x"),
         Op(OpKind.SYNC_STATS, 0, layer="y"),
