@@ -243,11 +243,15 @@ STEP_TIE = 1e-3
 
 def best(plans: Sequence[Plan]) -> Plan:
     """The least by `rank` of the plans whose step lies within max_overhead (and STEP_TIE) of the least reference step
-    of any (the growth the user accepts over the fastest plain step)."""
+    of any: the growth the user accepts over the fastest plain step, whichever distribution gives it. Where no step
+    does, of those within STEP_TIE of the least step: the least growth any makes."""
     least = min(p.metrics.step_time_reference for p in plans)
     most = least * (1 + plans[0].problem.max_overhead + STEP_TIE)
     within = [p for p in plans if p.metrics.step_time <= most]
-    return min(within or [min(plans, key=lambda p: p.metrics.step_time_reference)], key=rank)
+    if not within:
+        fastest = min(p.metrics.step_time for p in plans) * (1 + STEP_TIE)
+        within = [p for p in plans if p.metrics.step_time <= fastest]
+    return min(within, key=rank)
 
 
 def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget: Budget | None = None) -> Plan | None:

@@ -173,6 +173,26 @@ def test_best_ranks_every_plan_whose_step_lies_within_the_allowance_of_the_least
     assert best([least, variant(1.0, 1.6, 1)]) is least
 
 
+def test_best_takes_the_least_step_where_no_step_lies_within_the_allowance() -> None:
+    """Both plans past max_overhead 0 of the least reference step: the one of lesser step (and fresher curvature)
+    wins, not the one of lesser reference step. A drawn interleaved D=4 W=2 problem chose MEM-OPT at refresh sum 10
+    and 56.25 ms where `best` preferred forced COMM-OPT's 72 at 56.42 ms for its 56.16 ms reference step."""
+    planned = solve(_problem(), QUICK, "greedy")
+    plan = dataclasses.replace(planned, problem=dataclasses.replace(planned.problem, max_overhead=0.0))
+
+    def variant(reference: float, step: float, refresh: int) -> Plan:
+        metrics = dataclasses.replace(
+            plan.metrics, step_time_reference=reference, step_time=step, refresh_steps=(refresh,)
+        )
+        return dataclasses.replace(plan, metrics=metrics)
+
+    mem, comm = variant(56.25, 56.25 * (1 + 2 * STEP_TIE), 10), variant(56.15625, 56.420138888888886, 72)
+    assert best([comm, mem]) is mem
+    assert best([mem, comm]) is mem
+    fresher = variant(56.16, comm.metrics.step_time * (1 + STEP_TIE / 2), 8)
+    assert best([comm, fresher]) is fresher
+
+
 def test_at_max_overhead_0_only_the_distributions_of_the_least_reference_step_are_planned(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
