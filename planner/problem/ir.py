@@ -221,7 +221,7 @@ class Op:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one preconditioner op runs: `device`, window step `step` (0..2k-1), seconds after the refresh step began"""
+    """Where one preconditioner op runs: `device`, window step `step` (0..2k-1), `start` to `end` s into its window."""
 
     op: Op
     device: int
