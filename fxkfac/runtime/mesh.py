@@ -41,10 +41,6 @@ class MeshLayout:
         """D * W."""
         return self.D * self.W
 
-    def global_rank(self, pp: int, dp: int) -> int:
-        """The global rank of pipeline rank `pp` in replica `dp`."""
-        return pp * self.W + dp
-
     @classmethod
     def local(cls) -> MeshLayout:
         """One device: a 1x1 layout that needs no process group."""
