@@ -188,3 +188,28 @@ def test_a_budget_at_the_device_memory_is_never_raised_past_it_and_max_overhead_
         solve(dataclasses.replace(base, memory_budget=16 * 2**30), SolverConfig(time_limit_s=2.0))
     knobs = [knob for s in info.value.suggestions for knob, _ in s.changes]
     assert knobs == [Knob.MAX_OVERHEAD] and info.value.max_overhead is not None
+
+
+def test_where_neither_knob_alone_plans_max_overhead_and_the_budget_together_do() -> None:
+    """A budget at the least any plan needs and bubbles too short for the curvature: no max_overhead plans within the
+    budget and no budget at max_overhead 0, so the refusal names the two together, and following it plans."""
+    shapes = {
+        0: (1.5, 0.5, 55, [(0.1875, 0.5, 1.5, 1.25, 0.03125, 32, 18), (0.5, 0.25, 0.25, 2.0, 0.1875, 26, 26)]),
+        1: (1.0, 0.5, 11, [(0.1875, 0.375, 1.5, 1.5, 0.125, 15, 25), (0.4375, 0.25, 2.0, 1.5, 0.15625, 14, 8)]),
+        2: (1.75, 2.5, 37, [(0.0625, 0.0625, 1.0, 1.25, 0.25, 15, 22), (0.25, 0.375, 1.75, 1.75, 0.15625, 18, 14)]),
+        3: (1.25, 3.5, 28, [(0.3125, 0.25, 0.5, 0.75, 0.25, 19, 20)]),
+    }
+    stages = tuple(
+        StageCost(fwd, bwd, 1000, act, tuple(LayerCost.kfac(f"s{s}.l{i}", *x, 100, 100) for i, x in enumerate(xs)))
+        for s, (fwd, bwd, act, xs) in shapes.items()
+    )
+    refused = Problem("interleaved", 2, 4, CostTable(stages, 1, "hand", "cpu"), v=2, max_period=2, memory_budget=6745)
+    config = CONFIGS[Method.GREEDY]
+    with pytest.raises(PlanError) as raised:
+        solve(refused, config, Method.GREEDY)
+    suggestions = raised.value.suggestions
+    assert [{k for k, _ in s.changes} for s in suggestions] == [{Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET}]
+    followed = _followed(refused, suggestions[0])
+    assert followed.max_overhead > 0 and followed.memory_budget > refused.memory_budget
+    plan = solve(followed, config, Method.GREEDY)
+    assert validate(followed, plan) == []
