@@ -263,14 +263,14 @@ def _solve_groups(
         shape = fixed_shape(allowed, group, config, clock, g, stats_chunk=chunk, min_k=min_k)
         return g, least_group_period(shape, config, share, clock, began)
 
-    def second(first: Period | GroupSolution | None, later: int) -> GroupSolution | None:
+    def second(passed: Period | GroupSolution | None, later: int) -> GroupSolution | None:
         """The first pass's solution, or its period refined in the group's share of the time left (without time, the
         period's placement within the budget)."""
-        if not isinstance(first, Period):
-            return first
-        placed = within_budget(first.found, first.shape.fallback)
+        if not isinstance(passed, Period):
+            return passed
+        placed = within_budget(passed.found, passed.shape.fallback)
         share = _share(problem, clock, later, reserve=placed is None)
-        return placed if share is None else refine_group(first, config, share, clock)
+        return placed if share is None else refine_group(passed, config, share, clock)
 
     placings: list[tuple[GroupSolution | None, Period | GroupSolution | None]] = []
     for n, group in enumerate(groups):
